@@ -1,0 +1,29 @@
+# Two commands set everything up on a fresh machine:
+#   make serve   – create the virtual environment if missing, then run pagedserve
+#   make test    – create the virtual environment if missing, then run the test suite
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: serve test lint bench venv
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# Without a GPU, take the CPU build of torch first; the range in pyproject.toml keeps it.
+	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install --quiet torch==2.13.0; fi
+	$(PY) -m pip install --quiet -e '.[dev,pull]'
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/pagedserve models pull
+	$(VENV)/bin/pagedserve serve
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+
+bench: $(STAMP)
+	$(PY) bench/offline.py --workload fixed --dtype float32

@@ -1,0 +1,95 @@
+"""The `pagedserve` command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from pagedserve.common.config import DEFAULT_MODEL
+from pagedserve.common.errors import PagedServeError
+
+
+def _generate(args) -> int:
+    from pagedserve import LLM, SamplingParams
+
+    llm = LLM(args.model, dtype=args.dtype, device=args.device)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    if args.chat:
+        outputs = llm.chat([{"role": "user", "content": p} for p in args.prompt][:1], params)
+    else:
+        outputs = llm.generate(list(args.prompt), params)
+    for out in outputs:
+        print(out.outputs[0].text)
+    return 0
+
+
+def _models_pull(args) -> int:
+    from pagedserve.common.model_store import pull
+
+    print(pull(args.name, force=args.force))
+    return 0
+
+
+def _models_list(args) -> int:
+    from pagedserve.common.model_store import KNOWN_MODELS, is_pulled, model_dir
+
+    for alias, known in sorted(KNOWN_MODELS.items()):
+        state = f"pulled at {model_dir(alias)}" if is_pulled(alias) else "not pulled"
+        print(f"{alias}\t{known.license}\t{state}")
+    return 0
+
+
+def _plugins_list(args) -> int:
+    from pagedserve.plugins import GROUPS, registry
+
+    for kind, group in GROUPS.items():
+        print(f"{group}:")
+        for name, factory in sorted(registry.available(kind).items()):
+            print(f"  {name}\t{factory.__module__}.{factory.__qualname__}")
+        for name, why in sorted(registry.broken(kind).items()):
+            print(f"  {name}\tSKIPPED: {why}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedserve", description="LLM inference server")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text from prompts, in this process")
+    gen.add_argument("prompt", nargs="+")
+    gen.add_argument("--model", default=DEFAULT_MODEL)
+    gen.add_argument("--dtype", default="auto")
+    gen.add_argument("--device", default="auto")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--chat", action="store_true", help="apply the model's chat template to the first prompt")
+    gen.set_defaults(func=_generate)
+
+    models = sub.add_parser("models", help="fetch and list models").add_subparsers(dest="models_command", required=True)
+    pull = models.add_parser("pull", help="fetch and convert a known model into the cache")
+    pull.add_argument("name", nargs="?", default=DEFAULT_MODEL)
+    pull.add_argument("--force", action="store_true")
+    pull.set_defaults(func=_models_pull)
+    models.add_parser("list", help="known models and whether they are pulled").set_defaults(func=_models_list)
+
+    plugins = sub.add_parser("plugins", help="installed plugins").add_subparsers(dest="plugins_command", required=True)
+    plugins.add_parser("list", help="every plugin found through entry points").set_defaults(func=_plugins_list)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except PagedServeError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""Results of a request, as the engine hands them out (and later the wire carries them)."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class TokenLogprob(msgspec.Struct, frozen=True):
+    """One token's log-probability, with the token's text."""
+
+    token_id: int
+    logprob: float
+    token: str  # decoded text of this single token
+
+
+class Logprobs(msgspec.Struct):
+    """Log-probability of the sampled token and the top-N alternatives at one position."""
+
+    sampled: TokenLogprob
+    top: list[TokenLogprob]  # best first; empty when top-N is 0
+
+
+class CompletionOutput(msgspec.Struct):
+    """One of the n completions of a request."""
+
+    index: int  # which of the n completions this is
+    text: str  # the full text so far (stop string removed)
+    token_ids: list[int]  # every generated token id so far
+    finish_reason: str | None = None  # "stop", "length", "abort", or None while running
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    logprobs: list[Logprobs] | None = None  # one entry per generated token, when asked
+    text_delta: str = ""  # text that is new since the previous output of this completion
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class RequestOutput(msgspec.Struct):
+    """Everything a caller sees of one request."""
+
+    request_id: str
+    prompt: str | None  # the prompt text, when the request was given text
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache

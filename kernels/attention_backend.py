@@ -1,0 +1,62 @@
+"""The attention interface every backend implements (torch now, Triton in its own module).
+
+The batch of one engine step is flat: the tokens of every scheduled request laid end to
+end, decodes (one token each) first, then prefill chunks. `AttentionMetadata` describes
+that layout once per step; every layer reuses it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Where each token's K/V goes and which cached K/V each query attends to."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: flat cache slot (block * block_size + offset)
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32: offsets of each sequence's queries
+    seq_lens: torch.Tensor  # [num_seqs] int32: context length after this step's tokens
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32 (padding entries are 0)
+    num_decodes: int  # the first num_decodes sequences have exactly one query token
+    max_seq_len: int  # max(seq_lens)
+    #: host copies, so backends plan without device syncs
+    query_lens_cpu: list[int] = field(default_factory=list)
+    seq_lens_cpu: list[int] = field(default_factory=list)
+    backend: AttentionBackend | None = None  # computes attention in every layer this step
+    backend_state: Any = None  # whatever the backend precomputed once for all layers
+
+
+class AttentionBackend(ABC):
+    """Computes attention over the paged KV cache for a mixed prefill/decode batch."""
+
+    name: str = ""
+
+    def prepare(self, metadata: AttentionMetadata, block_size: int) -> None:
+        """Precompute per-step state (index maps, masks) shared by every layer."""
+        metadata.backend_state = None
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """Store key/value at metadata.slot_mapping, then attend causally over each context."""
+
+
+def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    """`auto` is torch everywhere until the Triton backend lands."""
+    from pagedserve.kernels.torch_attention import TorchAttentionBackend
+
+    if name in ("auto", "torch"):
+        return TorchAttentionBackend()
+    raise ValueError(f"unknown attention backend {name!r}; known: auto, torch")

@@ -1,0 +1,115 @@
+"""Paged attention in plain torch: the reference backend, and the one CPU workers run.
+
+Decodes are batched: their cached K/V are gathered by one index into a padded
+[num_decodes, max_len, kv_heads, head_dim] view and attended with one masked SDPA call.
+Prefill chunks with no cached context use the fresh K/V directly (grouped by length, one
+causal SDPA per group); chunks that continue a context gather it and use an offset mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from pagedserve.kernels.attention_backend import AttentionBackend, AttentionMetadata
+
+
+@dataclass(slots=True)
+class _PrefillGroup:
+    """Prefill chunks attended by one SDPA call."""
+
+    token_index: torch.Tensor | None  # [n * q_len] rows of the batch, None if one contiguous span
+    start: int  # first row when contiguous
+    num_seqs: int
+    q_len: int
+    context_slots: torch.Tensor | None  # [ctx_len] cache slots, for a chunk with cached context
+    mask: torch.Tensor | None  # [q_len, ctx_len] bool, True where attention is allowed
+
+
+@dataclass(slots=True)
+class _TorchPlan:
+    decode_slots: torch.Tensor | None  # [num_decodes, max_len] int64 cache slots
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_len] bool
+    prefill_groups: list[_PrefillGroup]
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Reference KV store: cache slot slot_mapping[i] ← key[i], value[i]."""
+    num_kv_heads, head_dim = key.shape[1], key.shape[2]
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def prepare(self, metadata: AttentionMetadata, block_size: int) -> None:
+        device = metadata.slot_mapping.device
+        nd = metadata.num_decodes
+        decode_slots = decode_mask = None
+        if nd:
+            max_len = max(metadata.seq_lens_cpu[:nd])
+            pos = torch.arange(max_len, device=device)
+            tables = metadata.block_tables[:nd, : -(-max_len // block_size)].long()
+            decode_slots = tables[:, pos // block_size] * block_size + pos % block_size
+            decode_mask = (pos[None, :] < metadata.seq_lens[:nd, None])[:, None, None, :]
+        groups: list[_PrefillGroup] = []
+        fresh: dict[int, list[int]] = {}  # q_len → starts of chunks with no cached context
+        start = nd
+        for i in range(nd, len(metadata.query_lens_cpu)):
+            q_len, seq_len = metadata.query_lens_cpu[i], metadata.seq_lens_cpu[i]
+            if seq_len == q_len:
+                fresh.setdefault(q_len, []).append(start)
+            else:
+                pos = torch.arange(seq_len, device=device)
+                table = metadata.block_tables[i, : -(-seq_len // block_size)].long()
+                slots = table[pos // block_size] * block_size + pos % block_size
+                q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
+                mask = pos[None, :] <= q_pos[:, None]
+                groups.append(_PrefillGroup(None, start, 1, q_len, slots, mask))
+            start += q_len
+        for q_len, starts in fresh.items():
+            if len(starts) == 1:
+                groups.append(_PrefillGroup(None, starts[0], 1, q_len, None, None))
+                continue
+            index = (torch.tensor(starts, device=device)[:, None] + torch.arange(q_len, device=device)).flatten()
+            groups.append(_PrefillGroup(index, 0, len(starts), q_len, None, None))
+        metadata.backend_state = _TorchPlan(decode_slots, decode_mask, groups)
+
+    def forward(self, query, key, value, kv_cache, metadata, scale):
+        plan: _TorchPlan = metadata.backend_state
+        num_kv_heads, head_dim = key.shape[1], key.shape[2]
+        write_kv(key, value, kv_cache, metadata.slot_mapping)
+        k_flat = kv_cache[0].view(-1, num_kv_heads, head_dim)
+        v_flat = kv_cache[1].view(-1, num_kv_heads, head_dim)
+        out = torch.empty_like(query)
+        nd = metadata.num_decodes
+        if nd:
+            # [nd, heads, 1, head_dim] against [nd, kv_heads, max_len, head_dim]
+            k = k_flat[plan.decode_slots].transpose(1, 2)
+            v = v_flat[plan.decode_slots].transpose(1, 2)
+            q = query[:nd].unsqueeze(2)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.decode_mask, scale=scale, enable_gqa=True)
+            out[:nd] = o.squeeze(2)
+        for g in plan.prefill_groups:
+            if g.token_index is None:
+                rows = slice(g.start, g.start + g.q_len)
+                q = query[rows].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, head_dim]
+                if g.context_slots is None:
+                    k = key[rows].transpose(0, 1).unsqueeze(0)
+                    v = value[rows].transpose(0, 1).unsqueeze(0)
+                    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+                else:
+                    k = k_flat[g.context_slots].transpose(0, 1).unsqueeze(0)
+                    v = v_flat[g.context_slots].transpose(0, 1).unsqueeze(0)
+                    o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scale, enable_gqa=True)
+                out[rows] = o[0].transpose(0, 1)
+            else:
+                shape = (g.num_seqs, g.q_len)
+                q = query[g.token_index].view(*shape, -1, head_dim).transpose(1, 2)
+                k = key[g.token_index].view(*shape, num_kv_heads, head_dim).transpose(1, 2)
+                v = value[g.token_index].view(*shape, num_kv_heads, head_dim).transpose(1, 2)
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+                out[g.token_index] = o.transpose(1, 2).reshape(-1, query.shape[1], head_dim)
+        return out

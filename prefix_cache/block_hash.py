@@ -1,0 +1,81 @@
+"""Chained SHA-256 hashes of full KV blocks.
+
+hash(block i) = SHA-256(canonical encoding of (hash(block i-1), token ids of block i, extra keys)).
+
+The encoding is length-prefixed and tagged field by field, so no two different inputs
+encode to the same bytes: a model id can never pass for a tenant salt, and a token list can
+never run into the extra keys. Nothing depends on PYTHONHASHSEED, so hashes agree across
+processes and machines (the gateway and the cluster index use the same function).
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import struct
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+_VERSION = b"pagedserve-block-v1"
+_NO_PARENT = b"\x00"
+_HAS_PARENT = b"\x01"
+
+
+class ExtraKeyKind(enum.IntEnum):
+    """What an extra key means; its value is the tag byte in the encoding."""
+
+    MODEL_ID = 1
+    TENANT_SALT = 2
+    ADAPTER_ID = 3
+
+
+@dataclass(frozen=True, slots=True)
+class ExtraKey:
+    """One typed input to every block hash beyond the tokens (e.g. the tenant's salt)."""
+
+    kind: ExtraKeyKind
+    value: str
+
+
+def encode_extra_keys(extra_keys: Sequence[ExtraKey]) -> bytes:
+    """Canonical bytes of the extra keys, sorted by kind so their order never matters."""
+    parts = [struct.pack("<I", len(extra_keys))]
+    for key in sorted(extra_keys, key=lambda k: (k.kind, k.value)):
+        value = key.value.encode("utf-8")
+        parts.append(struct.pack("<BI", int(key.kind), len(value)))
+        parts.append(value)
+    return b"".join(parts)
+
+
+def hash_block(parent_hash: bytes | None, token_ids: Sequence[int], extra: bytes = b"") -> bytes:
+    """Hash of one block given its parent's hash, its token ids and `encode_extra_keys(...)`."""
+    tokens = array("Q", token_ids)
+    if tokens.itemsize != 8:  # pragma: no cover - every platform we run on has 8-byte Q
+        raise AssertionError("array('Q') must hold 8-byte integers")
+    if tokens and array("Q", [1]).tobytes()[0] != 1:  # pragma: no cover - big-endian hosts
+        tokens.byteswap()
+    h = hashlib.sha256(_VERSION)
+    if parent_hash is None:
+        h.update(_NO_PARENT)
+    else:
+        h.update(_HAS_PARENT + parent_hash)
+    h.update(struct.pack("<I", len(tokens)))
+    h.update(tokens.tobytes())
+    h.update(extra)
+    return h.digest()
+
+
+def hash_blocks(
+    token_ids: Sequence[int],
+    block_size: int,
+    extra_keys: Sequence[ExtraKey] = (),
+    parent_hash: bytes | None = None,
+) -> list[bytes]:
+    """Hashes of every full block of `token_ids` (a trailing partial block gets none)."""
+    extra = encode_extra_keys(extra_keys)
+    hashes = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent_hash = hash_block(parent_hash, token_ids[start : start + block_size], extra)
+        hashes.append(parent_hash)
+    return hashes

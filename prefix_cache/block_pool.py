@@ -1,0 +1,147 @@
+"""`BlockPool`: the KV blocks of one worker, their ref counts, and the prefix-cache map.
+
+A block with ref count 0 sits in the free queue, oldest-freed first. If it still holds a
+full block's hash it is also in the hash map, so a later request with the same prefix can
+take it back (a hit) until `allocate` evicts it from the head of the queue (LRU).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class Block:
+    """One KV block's bookkeeping (its data lives in the worker's KV cache tensors)."""
+
+    block_id: int  # index into the KV cache tensors
+    ref_count: int = 0  # requests holding this block
+    block_hash: bytes | None = None  # set once the block is full and computed
+    token_ids: tuple[int, ...] | None = None  # its tokens, checked on a hit
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    """Counters since start; the worker exports them as Prometheus metrics."""
+
+    num_queries: int = 0  # blocks looked up
+    num_hits: int = 0  # blocks found
+    num_evictions: int = 0  # cached blocks reused for other data
+    num_collisions: int = 0  # hash matched but tokens differed (counted as a miss)
+
+
+@dataclass
+class BlockPool:
+    """Ref-counted KV blocks with an LRU queue of free blocks and a hash → block map."""
+
+    num_blocks: int
+    enable_caching: bool = True
+    blocks: list[Block] = field(init=False)
+    stats: PrefixCacheStats = field(init=False, default_factory=PrefixCacheStats)
+
+    def __post_init__(self) -> None:
+        assert self.num_blocks > 0, "a block pool needs at least one block"
+        self.blocks = [Block(i) for i in range(self.num_blocks)]
+        # Insertion order is eviction order: the head is the least recently freed block.
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(self.num_blocks))
+        self._cached: dict[bytes, int] = {}  # block hash → block id
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by requests (free cached blocks count as free)."""
+        return 1.0 - len(self._free) / self.num_blocks
+
+    def find_prefix(self, block_hashes: Sequence[bytes], block_tokens: Sequence[Sequence[int]]) -> list[Block]:
+        """The longest run of cached blocks for these hashes, without taking them.
+
+        `block_tokens[i]` are the tokens of block i; a hash hit whose stored tokens differ is
+        a collision and ends the run, so a collision costs a miss, never a wrong answer.
+        """
+        if not self.enable_caching:
+            return []
+        hits: list[Block] = []
+        for block_hash, tokens in zip(block_hashes, block_tokens):
+            block_id = self._cached.get(block_hash)
+            if block_id is None:
+                break
+            block = self.blocks[block_id]
+            if block.token_ids != tuple(tokens):
+                self.stats.num_collisions += 1
+                break
+            hits.append(block)
+        return hits
+
+    def match_prefix(self, block_hashes: Sequence[bytes], block_tokens: Sequence[Sequence[int]]) -> list[Block]:
+        """`find_prefix`, then take the blocks found (ref count +1) and count the lookup."""
+        hits = self.find_prefix(block_hashes, block_tokens)
+        self.record_lookup(len(block_hashes), len(hits))
+        self.take(hits)
+        return hits
+
+    def record_lookup(self, num_queried: int, num_hit: int) -> None:
+        if self.enable_caching:
+            self.stats.num_queries += num_queried
+            self.stats.num_hits += num_hit
+
+    def num_free_after_match(self, blocks: Iterable[Block]) -> int:
+        """Free blocks left once `blocks` (a prefix match not yet taken) were taken."""
+        return len(self._free) - sum(1 for b in blocks if b.ref_count == 0)
+
+    def allocate(self, num_blocks: int) -> list[Block] | None:
+        """`num_blocks` fresh blocks (ref count 1), evicting LRU cached ones; None if too few."""
+        if num_blocks > len(self._free):
+            return None
+        out = []
+        for _ in range(num_blocks):
+            block_id, _ = self._free.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.block_hash is not None:
+                self._uncache(block)
+                self.stats.num_evictions += 1
+            block.ref_count = 1
+            out.append(block)
+        return out
+
+    def free(self, blocks: Iterable[Block]) -> None:
+        """Drop one reference to each block; unreferenced blocks join the free queue's tail.
+
+        Callers pass a request's blocks last-first, so the tail of a sequence (the part least
+        likely to be shared) is evicted before its head.
+        """
+        for block in blocks:
+            assert block.ref_count > 0, f"block {block.block_id} freed more often than taken"
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block.block_id] = None
+
+    def take(self, blocks: Iterable[Block]) -> None:
+        """Add a reference to blocks another request already holds (n > 1 forks)."""
+        for block in blocks:
+            self._take(block)
+
+    def cache_block(self, block: Block, block_hash: bytes, token_ids: Sequence[int]) -> None:
+        """Record that a full, computed block holds these tokens under this hash."""
+        assert block.block_hash is None, f"block {block.block_id} is already cached"
+        if not self.enable_caching:
+            return
+        block.block_hash = block_hash
+        block.token_ids = tuple(token_ids)
+        # If an identical block is already cached, keep the first: both hold the same KV.
+        self._cached.setdefault(block_hash, block.block_id)
+
+    def _take(self, block: Block) -> None:
+        if block.ref_count == 0:
+            del self._free[block.block_id]
+        block.ref_count += 1
+
+    def _uncache(self, block: Block) -> None:
+        if self._cached.get(block.block_hash) == block.block_id:
+            del self._cached[block.block_hash]
+        block.block_hash = None
+        block.token_ids = None

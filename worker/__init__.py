@@ -1,0 +1,1 @@
+"""The worker: engine, scheduler, model runner, KV cache, models and layers."""

@@ -1,0 +1,1 @@
+"""Building blocks of the built-in models."""

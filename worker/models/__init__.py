@@ -1,0 +1,1 @@
+"""Built-in model architectures (registered as `pagedserve.models` entry points)."""

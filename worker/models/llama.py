@@ -1,0 +1,173 @@
+"""The Llama family and its close relatives in one decoder.
+
+LlamaForCausalLM covers Llama 2/3 (with llama3 rope scaling) and SmolLM2; Mistral is the
+same without sliding window; Qwen2 adds a bias on q/k/v; Qwen3 adds RMSNorm on q and k.
+q/k/v and gate/up are each fused into one matmul; `load_weights` fills the fused weights
+from the checkpoint's separate tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from pagedserve.kernels.attention_backend import AttentionMetadata
+from pagedserve.plugins.base import CausalLMPlugin
+from pagedserve.worker.layers.norm import RMSNorm
+from pagedserve.worker.layers.rotary import RotaryEmbedding, rope_parameters
+from torch import nn
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, cfg, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool):
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.rotary = rotary
+
+    def forward(self, positions, hidden, metadata: AttentionMetadata, kv_cache):
+        n = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)  # [n, heads, head_dim]
+        k = k.view(n, self.num_kv_heads, self.head_dim)  # [n, kv_heads, head_dim]
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = metadata.backend.forward(q, k, v, kv_cache, metadata, self.scale)
+        return self.o_proj(out.view(n, self.q_size))
+
+
+class DecoderMLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg, rotary, qkv_bias, qk_norm):
+        super().__init__()
+        self.self_attn = DecoderAttention(cfg, rotary, qkv_bias, qk_norm)
+        self.mlp = DecoderMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions, hidden, residual, metadata, kv_cache):
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, metadata, kv_cache)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaForCausalLM(nn.Module, CausalLMPlugin):
+    """Decoder-only transformer with RMSNorm, rotary embedding, SwiGLU and GQA."""
+
+    qkv_bias = False
+    qk_norm = False
+
+    def __init__(self, hf_config, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        super().__init__()
+        cfg = hf_config
+        if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True) and cfg.sliding_window < cfg.max_position_embeddings:
+            raise NotImplementedError(f"sliding-window attention ({cfg.sliding_window}) is not supported")
+        self.config = cfg
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        qkv_bias = self.qkv_bias or bool(getattr(cfg, "attention_bias", False))
+        with torch.device(device):
+            rotary = RotaryEmbedding(head_dim, cfg.max_position_embeddings, rope_parameters(cfg), dtype)
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+            self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, qkv_bias, self.qk_norm) for _ in range(cfg.num_hidden_layers))
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+            self.lm_head = None if self.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.to(dtype)
+        rotary.to(device)  # the cos/sin tables keep the dtype they were built in
+
+    def forward(self, input_ids, positions, attn_metadata, kv_caches):
+        hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden]
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden, residual = layer(positions, hidden, residual, attn_metadata, kv_cache)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden_states):
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden_states, weight).float()  # [n, vocab]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        # checkpoint name piece → (fused parameter piece, shard index)
+        fused = {
+            "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+        }
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb" in name:
+                continue
+            name = name.removeprefix("model.")
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: the embedding serves as the LM head
+            parts = name.split(".")
+            target, shard = name, None
+            for i, piece in enumerate(parts):
+                if piece in fused:
+                    new_piece, shard = fused[piece]
+                    target = ".".join(parts[:i] + [new_piece] + parts[i + 1 :])
+                    break
+            if target not in params:
+                raise KeyError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+            param = params[target]
+            with torch.no_grad():
+                if shard is None:
+                    assert param.shape == tensor.shape, f"{name}: {tuple(tensor.shape)} vs {tuple(param.shape)}"
+                    param.copy_(tensor)
+                else:
+                    offset = self._shard_offset(target, shard)
+                    param[offset : offset + tensor.shape[0]].copy_(tensor)
+            loaded.add(f"{target}#{shard}")
+        missing = [n for n in params if not any(k.startswith(n + "#") for k in loaded)]
+        if missing:
+            raise KeyError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+    def _shard_offset(self, target: str, shard: int) -> int:
+        if "qkv_proj" in target:
+            attn = self.layers[0].self_attn
+            return [0, attn.q_size, attn.q_size + attn.kv_size][shard]
+        return shard * self.config.intermediate_size
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral: Llama's layout; sliding-window configs are refused."""
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2: Llama's layout with a bias on the q/k/v projections."""
+
+    qkv_bias = True
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen3: Llama's layout with RMSNorm on each head of q and k before rotary."""
+
+    qk_norm = True

@@ -1,0 +1,83 @@
+"""`Request`: one sequence the engine is generating (one of the n of a user request)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from pagedserve.common.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+    from pagedserve.prefix_cache import Block
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered: everything above PREEMPTED is finished."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3  # EOS, a stop token id or a stop string
+    FINISHED_LENGTH = 4  # max_tokens or the context length
+    FINISHED_ABORTED = 5  # abort() or a deadline
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {3: "stop", 4: "length", 5: "abort"}.get(int(self))
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """A sequence: its tokens, how many have KV in the cache, and its blocks."""
+
+    request_id: str  # unique per sequence ("<user id>" or "<user id>#<index>" for n > 1)
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int]  # the model's EOS ids (ignored with ignore_eos)
+    max_tokens: int  # resolved: min(max_tokens, max_model_len - prompt length)
+    parent_id: str | None = None  # the user request this is a sequence of
+    index: int = 0  # which of the n completions
+    fork_from: Request | None = None  # sibling whose prompt blocks this one shares
+    arrival_time: float = field(default_factory=time.monotonic)
+    #: prompt then output token ids; the first `num_computed_tokens` have KV in the cache
+    token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    blocks: list[Block] = field(default_factory=list)  # block table, position order
+    block_hashes: list[bytes] = field(default_factory=list)  # of the full blocks so far
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
+    num_preemptions: int = 0
+    cache_salt: str | None = None  # tenant salt: requests with different salts share no block
+    stop_reason: str | int | None = None
+    generator: torch.Generator | None = None  # per-request RNG when a seed is given
+    first_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished

@@ -1,0 +1,128 @@
+"""The built-in batched sampler: penalties, temperature, top-k/top-p/min-p, seeds, logprobs.
+
+All rows are processed together; per-row settings are tensors. Random draws use the
+exponential-race form of sampling (argmax of p / q with q ~ Exp(1)), so a seeded row only
+needs its own noise from its own generator: its tokens do not depend on its batch-mates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from pagedserve.plugins.base import SamplerPlugin
+
+
+@dataclass(slots=True)
+class SamplingMetadata:
+    """Per-row sampling settings of one step, built by the model runner."""
+
+    temperature: torch.Tensor | None  # [B] float32, 0 = greedy; None: every row greedy
+    top_k: torch.Tensor | None  # [B] int64, vocab size where unset; None: no row sets it
+    top_p: torch.Tensor | None  # [B] float32; None: no row sets it
+    min_p: torch.Tensor | None  # [B] float32; None: no row sets it
+    generators: dict[int, torch.Generator]  # row → its own generator (seeded requests)
+    repetition_penalty: torch.Tensor | None  # [B] float32; None: no row sets it
+    presence_penalty: torch.Tensor | None  # [B] float32
+    frequency_penalty: torch.Tensor | None  # [B] float32
+    prompt_token_ids: list[list[int]]  # per row, for the repetition penalty ([] if unused)
+    output_token_ids: list[list[int]]  # per row, for the penalties ([] if unused)
+    banned_token_ids: dict[int, list[int]]  # row → ids masked this step (EOS before min_tokens)
+    max_num_logprobs: int | None  # largest top-N asked for; None: no row wants logprobs
+
+    @property
+    def all_greedy(self) -> bool:
+        return self.temperature is None
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor | None  # [B] float32: log p(sampled token) under the model
+    top_logprob_ids: torch.Tensor | None  # [B, max_num_logprobs] int64
+    top_logprobs: torch.Tensor | None  # [B, max_num_logprobs] float32
+
+
+class DefaultSampler(SamplerPlugin):
+    """greedy / temperature, top_k, top_p, min_p, penalties, min_tokens, seeds, logprobs."""
+
+    def __init__(self, config=None, seed: int | None = None, device: str | torch.device = "cpu"):
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed if seed is not None else getattr(config, "seed", 0))
+
+    def sample(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        # Logprobs are reported for the model's own distribution, before any processing.
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if md.max_num_logprobs is not None else None
+        logits = apply_penalties(logits, md)
+        for row, ids in md.banned_token_ids.items():
+            logits[row, ids] = float("-inf")
+        greedy = logits.argmax(dim=-1)
+        if md.all_greedy:
+            tokens = greedy
+        else:
+            temperature = md.temperature
+            is_greedy = temperature == 0
+            scaled = logits / torch.where(is_greedy, 1.0, temperature)[:, None]
+            scaled = apply_top_k_top_p(scaled, md.top_k, md.top_p)
+            probs = torch.softmax(scaled, dim=-1)
+            if md.min_p is not None:
+                cut = md.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+                probs = probs.masked_fill(probs < cut, 0.0)
+            noise = torch.empty_like(probs).exponential_(generator=self.generator)
+            for row, gen in md.generators.items():
+                noise[row].exponential_(generator=gen)
+            tokens = torch.where(is_greedy, greedy, (probs / noise).argmax(dim=-1))
+        if raw_logprobs is None:
+            return SamplerOutput(tokens, None, None, None)
+        sampled_lp = raw_logprobs.gather(1, tokens[:, None]).squeeze(1)
+        if md.max_num_logprobs > 0:
+            top_lp, top_ids = raw_logprobs.topk(md.max_num_logprobs, dim=-1)
+        else:
+            top_lp = top_ids = None
+        return SamplerOutput(tokens, sampled_lp, top_ids, top_lp)
+
+
+def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """Repetition (prompt + output, transformers' rule) and presence/frequency (output, OpenAI's)."""
+    if md.repetition_penalty is None and md.presence_penalty is None and md.frequency_penalty is None:
+        return logits
+    num_rows, vocab = logits.shape
+    counts = _token_counts(md.output_token_ids, num_rows, vocab, logits.device)
+    if md.repetition_penalty is not None:
+        seen = (counts + _token_counts(md.prompt_token_ids, num_rows, vocab, logits.device)) > 0
+        penalty = md.repetition_penalty[:, None]
+        penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = torch.where(seen, penalized, logits)
+    if md.frequency_penalty is not None:
+        logits = logits - md.frequency_penalty[:, None] * counts
+    if md.presence_penalty is not None:
+        logits = logits - md.presence_penalty[:, None] * (counts > 0)
+    return logits
+
+
+def _token_counts(rows: list[list[int]], num_rows: int, vocab: int, device) -> torch.Tensor:
+    """[num_rows, vocab] float32: how often each token id occurs in each row's list."""
+    counts = torch.zeros(num_rows, vocab, device=device)
+    lengths = [len(r) for r in rows]
+    if sum(lengths):
+        row_index = torch.repeat_interleave(torch.arange(num_rows, device=device), torch.tensor(lengths, device=device))
+        ids = torch.tensor([t for r in rows for t in r], device=device)
+        counts.index_put_((row_index, ids), torch.ones_like(ids, dtype=torch.float32), accumulate=True)
+    return counts
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """Set every logit outside each row's top-k and top-p nucleus to -inf."""
+    if top_k is None and top_p is None:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=False)  # ascending: best last
+    vocab = logits.shape[-1]
+    if top_k is not None:
+        kth = sorted_logits.gather(1, (vocab - top_k.clamp(1, vocab))[:, None])  # k-th best value
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    if top_p is not None:
+        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop = cum <= (1 - top_p[:, None])
+        drop[:, -1] = False  # the best token always stays
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)

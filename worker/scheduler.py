@@ -1,0 +1,205 @@
+"""The built-in `fcfs` scheduler: token budget, chunked prefill, preemption by recompute.
+
+Each step first serves running requests (decodes and unfinished prefill chunks), oldest
+admission first, then admits waiting requests in arrival order while budget, sequence slots
+and blocks last. When blocks run out, a running request is preempted: its blocks are freed
+and it goes back to the front of the waiting queue, to be recomputed (mostly from the prefix
+cache). The victim is the request that costs least to redo (fewest computed tokens); the
+oldest running request is never chosen, so it always progresses and nothing starves.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from pagedserve.common.config import EngineConfig
+from pagedserve.plugins.base import SchedulerPlugin
+from pagedserve.worker.kv_cache_manager import KVCacheManager
+from pagedserve.worker.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int  # tokens computed for it this step (1 for a decode)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]  # in scheduling order
+    num_batched_tokens: int  # sum of num_new_tokens
+    preempted: list[Request] = field(default_factory=list)  # preempted during this step
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(slots=True)
+class SequenceUpdate:
+    """What one step did to one sequence: its new token, or that it ended."""
+
+    request: Request
+    new_token_id: int | None  # None when the step only finished it (abort, stop string)
+    logprobs: object | None = None  # the runner's logprobs entry for the new token
+
+
+class FCFSScheduler(SchedulerPlugin):
+    def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager, enable_chunked_prefill: bool = True):
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_num_seqs = config.max_num_seqs
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.kv = kv_cache_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # -- queue -------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # -- one step ------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        scheduled: dict[Request, int] = {}  # request → tokens this step, in order
+        preempted: list[Request] = []
+
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            assert num_new > 0, f"running request {request.request_id} has nothing to compute"
+            while not self.kv.allocate_slots(request, num_new):
+                victim = self._pick_victim(request)
+                budget += scheduled.pop(victim, 0)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                scheduled[request] = num_new
+                budget -= num_new
+
+        # Admit waiting requests only when nothing was preempted: blocks are short.
+        if not preempted:
+            admitted = []
+            for request in self.waiting:
+                if budget == 0 or len(self.running) >= self.max_num_seqs:
+                    break
+                parent = request.fork_from
+                if parent is not None and not self._fork_ready(request, parent):
+                    continue  # a later sibling waits for its parent's prompt
+                computed = self.kv.get_computed_blocks(request)
+                num_computed = len(computed) * self.kv.block_size
+                num_new = request.num_tokens - num_computed
+                if num_new > budget:
+                    if not self.enable_chunked_prefill:
+                        break
+                    num_new = budget
+                if not self.kv.allocate_slots(request, num_new, computed):
+                    break  # first come, first served: nobody jumps a request short of blocks
+                request.fork_from = None
+                request.status = RequestStatus.RUNNING
+                self.running.append(request)
+                admitted.append(request)
+                scheduled[request] = num_new
+                budget -= num_new
+            for request in admitted:
+                self.waiting.remove(request)
+
+        out = [ScheduledRequest(r, n) for r, n in scheduled.items()]
+        return SchedulerOutput(out, self.max_num_batched_tokens - budget, preempted)
+
+    def _fork_ready(self, request: Request, parent: Request) -> bool:
+        """Whether a sibling may start: its parent computed the prompt blocks it will share."""
+        if parent.status == RequestStatus.RUNNING:
+            return parent.num_computed_tokens >= request.num_prompt_tokens - 1
+        if parent.status == RequestStatus.WAITING:
+            return False
+        request.fork_from = None  # parent preempted or finished: compute on our own
+        return True
+
+    def _pick_victim(self, requester: Request) -> Request:
+        """The running request cheapest to recompute, never the oldest."""
+        oldest = min(self.running, key=lambda r: r.arrival_time)
+        candidates = [r for r in self.running if r is not oldest]
+        assert candidates, "the oldest request alone does not fit the KV pool (max_model_len is capped to fit)"
+        return min(candidates, key=lambda r: (r.num_computed_tokens, -r.arrival_time))
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def update(self, scheduler_output: SchedulerOutput, runner_output) -> list[SequenceUpdate]:
+        """Count the computed tokens, append sampled tokens, and end finished sequences."""
+        updates = []
+        for i, entry in enumerate(scheduler_output.scheduled):
+            request = entry.request
+            if request.status != RequestStatus.RUNNING:
+                continue
+            request.num_computed_tokens += entry.num_new_tokens
+            self.kv.cache_full_blocks(request)
+            token = runner_output.sampled_token_ids[i]
+            if token is None:
+                continue  # a prefill chunk that did not reach the end of the prompt
+            request.token_ids.append(token)
+            status = self._check_stop(request, token)
+            if status is not None:
+                self._finish(request, status)
+            logprobs = runner_output.logprobs[i] if runner_output.logprobs is not None else None
+            updates.append(SequenceUpdate(request, token, logprobs))
+        return updates
+
+    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if token in request.eos_token_ids and not params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if params.stop_token_ids and token in params.stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
+        """End requests now (abort, stop string); unknown or finished ids are ignored."""
+        finished = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is not None:
+                self._finish(request, status)
+                finished.append(request)
+        return finished
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        assert status.is_finished, f"{status!r} is not a final status"
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.status = status
+        self.kv.free(request)
+        del self.requests[request.request_id]
