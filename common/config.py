@@ -19,6 +19,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     gpu_memory_utilization: float = 0.9  # share of GPU memory for weights + KV cache
     max_num_batched_tokens: int = 8192  # token budget of one step (prefill chunks + decodes)
     max_num_seqs: int = 256  # requests running at once
+    enable_chunked_prefill: bool = True  # split long prompts across steps under the budget
     max_model_len: int | None = None  # context length; None: the model's own
     enable_prefix_caching: bool = True
     scheduler: str = "fcfs"  # entry point in pagedserve.schedulers
@@ -33,6 +34,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise InvalidParameterError("block_size", f"must be a power of two, got {self.block_size}")
         if self.max_num_batched_tokens < 1:
             raise InvalidParameterError("max_num_batched_tokens", "must be >= 1")
+        if not self.enable_chunked_prefill and self.max_model_len and self.max_num_batched_tokens < self.max_model_len:
+            raise InvalidParameterError("max_num_batched_tokens", "without chunked prefill it must be >= max_model_len")
         if self.max_num_seqs < 1:
             raise InvalidParameterError("max_num_seqs", "must be >= 1")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

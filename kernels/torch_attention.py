@@ -29,8 +29,8 @@ class _PrefillGroup:
 
 @dataclass(slots=True)
 class _TorchPlan:
-    decode_slots: torch.Tensor | None  # [num_decodes, max_len] int64 cache slots
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_len] bool
+    decode_blocks: torch.Tensor | None  # [num_decodes * max_blocks] int64 block ids
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
     prefill_groups: list[_PrefillGroup]
 
 
@@ -47,12 +47,12 @@ class TorchAttentionBackend(AttentionBackend):
     def prepare(self, metadata: AttentionMetadata, block_size: int) -> None:
         device = metadata.slot_mapping.device
         nd = metadata.num_decodes
-        decode_slots = decode_mask = None
+        decode_blocks = decode_mask = None
         if nd:
-            max_len = max(metadata.seq_lens_cpu[:nd])
-            pos = torch.arange(max_len, device=device)
-            tables = metadata.block_tables[:nd, : -(-max_len // block_size)].long()
-            decode_slots = tables[:, pos // block_size] * block_size + pos % block_size
+            # Whole blocks are gathered (one memcpy each), the tail of the last one masked.
+            max_blocks = -(-max(metadata.seq_lens_cpu[:nd]) // block_size)
+            decode_blocks = metadata.block_tables[:nd, :max_blocks].flatten().long()
+            pos = torch.arange(max_blocks * block_size, device=device)
             decode_mask = (pos[None, :] < metadata.seq_lens[:nd, None])[:, None, None, :]
         groups: list[_PrefillGroup] = []
         fresh: dict[int, list[int]] = {}  # q_len → starts of chunks with no cached context
@@ -75,7 +75,7 @@ class TorchAttentionBackend(AttentionBackend):
                 continue
             index = (torch.tensor(starts, device=device)[:, None] + torch.arange(q_len, device=device)).flatten()
             groups.append(_PrefillGroup(index, 0, len(starts), q_len, None, None))
-        metadata.backend_state = _TorchPlan(decode_slots, decode_mask, groups)
+        metadata.backend_state = _TorchPlan(decode_blocks, decode_mask, groups)
 
     def forward(self, query, key, value, kv_cache, metadata, scale):
         plan: _TorchPlan = metadata.backend_state
@@ -86,9 +86,9 @@ class TorchAttentionBackend(AttentionBackend):
         out = torch.empty_like(query)
         nd = metadata.num_decodes
         if nd:
-            # [nd, heads, 1, head_dim] against [nd, kv_heads, max_len, head_dim]
-            k = k_flat[plan.decode_slots].transpose(1, 2)
-            v = v_flat[plan.decode_slots].transpose(1, 2)
+            # [nd, heads, 1, head_dim] against [nd, kv_heads, max_blocks * block_size, head_dim]
+            k = kv_cache[0].index_select(0, plan.decode_blocks).view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
+            v = kv_cache[1].index_select(0, plan.decode_blocks).view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
             q = query[:nd].unsqueeze(2)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.decode_mask, scale=scale, enable_gqa=True)
             out[:nd] = o.squeeze(2)

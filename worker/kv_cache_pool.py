@@ -36,8 +36,9 @@ class KVCachePool:
         self.block_size = block_size
         self.num_blocks = num_blocks
         shape = (2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-        # torch.empty: the OS commits pages only as blocks are first written.
-        self.kv_caches = [torch.empty(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+        # Zeroed, not empty: attention reads whole blocks and masks the unwritten tail, and
+        # a masked NaN from uninitialised memory would still poison the sum (0 * NaN).
+        self.kv_caches = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
 
     @staticmethod
     def num_blocks_for(

@@ -22,7 +22,7 @@ def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
         raise FileNotFoundError(f"no safetensors weights in {model_dir}")
     for file in files:
         with safe_open(str(model_dir / file), framework="pt") as f:
-            for name in f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not iterable
                 yield name, f.get_tensor(name)
 
 

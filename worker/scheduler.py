@@ -46,10 +46,10 @@ class SequenceUpdate:
 
 
 class FCFSScheduler(SchedulerPlugin):
-    def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager, enable_chunked_prefill: bool = True):
+    def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager):
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_num_seqs = config.max_num_seqs
-        self.enable_chunked_prefill = enable_chunked_prefill
+        self.enable_chunked_prefill = config.enable_chunked_prefill
         self.kv = kv_cache_manager
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []

@@ -1,0 +1,146 @@
+"""Offline throughput on the reference workloads (shared/bench/WORKLOADS.md).
+
+    python bench/offline.py --workload fixed --dtype float32 [--peers generate,generate_batch]
+
+Prints output and total tok/s for pagedserve and, in the same run, for the transformers
+peers; the ratios; and the share of each engine step spent outside the model forward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+import torch
+
+
+def workload(name: str, vocab_size: int) -> tuple[list[list[int]], list[int]]:
+    """(prompts as token ids, output lengths) exactly as WORKLOADS.md defines them."""
+    if name == "fixed":
+        rng = np.random.default_rng(0)
+        prompts = [rng.integers(100, vocab_size - 100, size=128).tolist() for _ in range(64)]
+        return prompts, [64] * 64
+    if name == "mixed":
+        rng = np.random.default_rng(0)
+        lengths = rng.integers(16, 513, size=64)
+        prompts = [rng.integers(100, vocab_size - 100, size=int(n)).tolist() for n in lengths]
+        outputs = np.random.default_rng(1).integers(16, 257, size=64).tolist()
+        return prompts, outputs
+    raise SystemExit(f"unknown workload {name!r}")
+
+
+def run_pagedserve(args, prompts, out_lens):
+    from pagedserve import LLM, SamplingParams
+    from pagedserve.worker.model_runner import ModelRunner
+
+    llm = LLM(args.model, dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens,
+              max_num_seqs=args.max_num_seqs, enable_prefix_caching=not args.no_prefix_caching)
+    engine = llm.engine
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in out_lens]
+    llm.generate([p[:16] for p in prompts[:4]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
+
+    # Time spent in the model forward + sampling vs the whole step.
+    forward_time = [0.0]
+    original = ModelRunner.run
+
+    def timed_run(self, output):
+        t = time.perf_counter()
+        result = original(self, output)
+        forward_time[0] += time.perf_counter() - t
+        return result
+
+    ModelRunner.run = timed_run
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - t0
+    ModelRunner.run = original
+    produced = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert produced == sum(out_lens), (produced, sum(out_lens))
+    return elapsed, {"outside_runner_share": 1 - forward_time[0] / elapsed}
+
+
+def load_hf(args):
+    from pagedserve.common.model_store import resolve_model
+    from transformers import AutoModelForCausalLM
+
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    model = AutoModelForCausalLM.from_pretrained(resolve_model(args.model), dtype=dtype).eval()
+    model.generation_config.eos_token_id = None  # every request produces exactly its length
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def run_hf_generate(args, prompts, out_lens, batch_size=16):
+    """Static batches with left padding; each batch runs to its longest output, and only
+    each request's own tokens are counted."""
+    model = load_hf(args)
+    t0 = time.perf_counter()
+    for start in range(0, len(prompts), batch_size):
+        chunk, lens = prompts[start : start + batch_size], out_lens[start : start + batch_size]
+        width = max(len(p) for p in chunk)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in chunk])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+        with torch.inference_mode():
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(lens), min_new_tokens=max(lens), do_sample=False)
+    return time.perf_counter() - t0, {"batch_size": batch_size}
+
+
+def run_hf_generate_batch(args, prompts, out_lens):
+    """transformers' continuous batching, one max_new_tokens per request."""
+    model = load_hf(args)
+    from transformers import GenerationConfig
+
+    gen_config = GenerationConfig(max_new_tokens=max(out_lens), do_sample=False, eos_token_id=None, pad_token_id=0)
+    t0 = time.perf_counter()
+    manager = model.init_continuous_batching(generation_config=gen_config)
+    manager.start()
+    for i, (p, n) in enumerate(zip(prompts, out_lens)):
+        manager.add_request(p, request_id=f"r{i}", max_new_tokens=n)
+    got = 0
+    for _ in range(len(prompts)):
+        result = manager.get_result(timeout=3600)
+        got += len(result.generated_tokens)
+    manager.stop(block=True)
+    elapsed = time.perf_counter() - t0
+    assert got == sum(out_lens), (got, sum(out_lens))
+    return elapsed, {}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--workload", default="fixed", choices=["fixed", "mixed"])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--peers", default="", help="comma list: generate,generate_batch")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    from pagedserve.common.model_store import resolve_model
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(resolve_model(args.model)).vocab_size
+    prompts, out_lens = workload(args.workload, vocab)
+    num_out, num_total = sum(out_lens), sum(out_lens) + sum(len(p) for p in prompts)
+    systems = {"pagedserve": run_pagedserve, "generate": run_hf_generate, "generate_batch": run_hf_generate_batch}
+    rows = []
+    for name in ["pagedserve"] + [p for p in args.peers.split(",") if p]:
+        elapsed, extra = systems[name](args, prompts, out_lens)
+        rows.append({"system": name, "seconds": elapsed, "output_tok_s": num_out / elapsed, "total_tok_s": num_total / elapsed, **extra})
+    base = rows[0]
+    print(f"workload={args.workload} model={args.model} dtype={args.dtype} threads={args.threads} torch={torch.__version__}")
+    print(f"{'system':16} {'seconds':>8} {'out tok/s':>10} {'total tok/s':>12} {'pagedserve x':>13}")
+    for r in rows:
+        print(f"{r['system']:16} {r['seconds']:8.1f} {r['output_tok_s']:10.1f} {r['total_tok_s']:12.1f} {base['output_tok_s'] / r['output_tok_s']:13.2f}")
+    print(f"share of wall time outside ModelRunner.run (scheduling, detokenizing, bookkeeping): {base['outside_runner_share']:.1%}")
+    if args.json:
+        print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()
