@@ -17,9 +17,11 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev,pull]'
 	touch $(STAMP)
 
+# The HTTP server (`pagedserve serve`) arrives with issue #3; until then the main job is
+# the engine itself, as a streaming terminal chat on the default model.
 serve: $(STAMP)
 	$(VENV)/bin/pagedserve models pull
-	$(VENV)/bin/pagedserve serve
+	$(VENV)/bin/pagedserve chat
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .

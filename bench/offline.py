@@ -37,7 +37,6 @@ def run_pagedserve(args, prompts, out_lens):
 
     llm = LLM(args.model, dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens,
               max_num_seqs=args.max_num_seqs, enable_prefix_caching=not args.no_prefix_caching)
-    engine = llm.engine
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in out_lens]
     llm.generate([p[:16] for p in prompts[:4]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
 

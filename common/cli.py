@@ -24,6 +24,36 @@ def _generate(args) -> int:
     return 0
 
 
+def _chat(args) -> int:
+    """A terminal chat on the engine, streaming each answer as it is generated."""
+    from pagedserve import LLM, SamplingParams
+
+    llm = LLM(args.model, dtype=args.dtype, device=args.device)
+    engine = llm.engine
+    history: list[dict[str, str]] = []
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p)
+    print(f"pagedserve chat on {args.model} ({engine.device}, {str(engine.dtype).removeprefix('torch.')}); Ctrl-D to quit")
+    turn = 0
+    while True:
+        try:
+            line = input("> ").strip()
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return 0
+        if not line:
+            continue
+        history.append({"role": "user", "content": line})
+        turn += 1
+        engine.add_request(f"chat-{turn}", llm.apply_chat_template(history), params)
+        reply = ""
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                print(out.outputs[0].text_delta, end="", flush=True)
+                reply = out.outputs[0].text
+        print()
+        history.append({"role": "assistant", "content": reply})
+
+
 def _models_pull(args) -> int:
     from pagedserve.common.model_store import pull
 
@@ -68,6 +98,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template to the first prompt")
     gen.set_defaults(func=_generate)
+
+    chat = sub.add_parser("chat", help="chat with a model in the terminal, in this process")
+    chat.add_argument("--model", default=DEFAULT_MODEL)
+    chat.add_argument("--dtype", default="auto")
+    chat.add_argument("--device", default="auto")
+    chat.add_argument("--max-tokens", type=int, default=256)
+    chat.add_argument("--temperature", type=float, default=0.7)
+    chat.add_argument("--top-p", type=float, default=0.9)
+    chat.set_defaults(func=_chat)
 
     models = sub.add_parser("models", help="fetch and list models").add_subparsers(dest="models_command", required=True)
     pull = models.add_parser("pull", help="fetch and convert a known model into the cache")

@@ -1,0 +1,108 @@
+"""Scheduling: budgets, chunking, the preemption victim, no starvation, aborts free blocks."""
+
+from __future__ import annotations
+
+from engine_helpers import assert_pool_clean, mixed_prompts
+from pagedserve import LLM, SamplingParams
+from pagedserve.common.config import EngineConfig
+from pagedserve.worker.kv_cache_manager import KVCacheManager
+from pagedserve.worker.model_runner import RunnerOutput
+from pagedserve.worker.request import Request, RequestStatus
+from pagedserve.worker.scheduler import FCFSScheduler
+
+GREEDY = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+
+
+def make(num_blocks=8, budget=32, max_seqs=8):
+    kv = KVCacheManager(num_blocks, 4, enable_caching=True, model_id="m")
+    return FCFSScheduler(EngineConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, block_size=4), kv)
+
+
+def req(rid, n_prompt, t, max_tokens=100):
+    return Request(rid, list(range(1, n_prompt + 1)), GREEDY, frozenset(), max_tokens=max_tokens, arrival_time=t)
+
+
+def step(s, token=7):
+    out = s.schedule()
+    s.update(out, RunnerOutput([token if e.request.num_computed_tokens + e.num_new_tokens == e.request.num_tokens else None for e in out.scheduled], None))
+    return out
+
+
+def test_budget_chunks_prefill_and_mixes_decodes():
+    s = make(num_blocks=16, budget=10)
+    s.add_request(req("a", 6, 0.0))
+    s.add_request(req("b", 9, 1.0))
+    out = step(s)
+    assert [(e.request.request_id, e.num_new_tokens) for e in out.scheduled] == [("a", 6), ("b", 4)]
+    out = step(s)  # a decodes, b's remaining 5 prompt tokens in the same step
+    assert [(e.request.request_id, e.num_new_tokens) for e in out.scheduled] == [("a", 1), ("b", 5)]
+    out = step(s)
+    assert [(e.request.request_id, e.num_new_tokens) for e in out.scheduled] == [("a", 1), ("b", 1)]
+
+
+def test_victim_is_the_cheapest_to_recompute_and_never_the_oldest():
+    s = make(num_blocks=6, budget=64)
+    s.add_request(req("old", 8, 0.0))  # 2 blocks
+    s.add_request(req("big", 8, 1.0))  # 2 blocks
+    s.add_request(req("small", 3, 2.0))  # 1 block
+    step(s)
+    assert s.kv.pool.num_free_blocks == 1
+    # old and big each need a third block, one is free: big's costs 3 computed tokens (small)
+    out = step(s)
+    assert [r.request_id for r in out.preempted] == ["small"]
+    assert [e.request.request_id for e in out.scheduled] == ["old", "big"]
+    preempted = []
+    for _ in range(10):
+        preempted += [r.request_id for r in step(s).preempted]
+    assert preempted[0] == "big"  # at 13 tokens old needs a 4th block; big is the only candidate
+    assert "old" not in preempted
+
+
+def test_preempted_request_goes_back_to_the_front_and_finishes():
+    s = make(num_blocks=5, budget=64)
+    for i in range(4):
+        s.add_request(req(f"r{i}", 5, float(i), max_tokens=10))  # 15 tokens: 4 of the 5 blocks
+    finished_order = []
+    for _ in range(400):
+        if not s.has_unfinished_requests():
+            break
+        out = s.schedule()
+        tokens = [7 if e.request.num_computed_tokens + e.num_new_tokens == e.request.num_tokens else None for e in out.scheduled]
+        for u in s.update(out, RunnerOutput(tokens, None)):
+            if u.request.is_finished:
+                finished_order.append(u.request.request_id)
+        if out.preempted:  # preempted requests wait at the very front of the queue
+            front = list(s.waiting)[: len(out.preempted)]
+            assert set(front) == set(out.preempted)
+            assert all(r.status == RequestStatus.PREEMPTED and not r.blocks for r in front)
+    assert sorted(finished_order) == ["r0", "r1", "r2", "r3"]
+    assert finished_order[0] == "r0"  # the oldest is never preempted, so it ends first
+    assert s.num_preemptions > 0
+    assert s.kv.pool.num_free_blocks == 5
+
+
+def test_abort_anywhere_frees_blocks(tiny_checkpoint):
+    llm = LLM(str(tiny_checkpoint("llama-gqa")), kv_cache_memory=1 << 22, max_num_batched_tokens=40)
+    engine = llm.engine
+    prompts = mixed_prompts()
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop=["%%"]))
+    engine.abort_request("r15")  # still waiting
+    engine.step()
+    engine.abort_request("r0")  # running
+    seen_finish = {}
+    for _ in range(3):
+        for out in engine.step():
+            if out.finished:
+                seen_finish[out.request_id] = out.outputs[0].finish_reason
+    for i in range(1, 8):
+        aborted = engine.abort_request(f"r{i}")
+        if aborted is not None:
+            assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                seen_finish[out.request_id] = out.outputs[0].finish_reason
+    assert all(seen_finish[f"r{i}"] == "length" for i in range(8, 15))
+    assert engine.abort_request("r3") is None  # already gone
+    assert_pool_clean(engine)
