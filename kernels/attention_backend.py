@@ -54,9 +54,19 @@ class AttentionBackend(ABC):
 
 
 def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """`auto` is torch everywhere until the Triton backend lands."""
+    """`auto`: the C++ decode kernel on CPU when it builds, else (and on GPU, until the
+    Triton backend lands) the torch reference."""
     from pagedserve.kernels.torch_attention import TorchAttentionBackend
 
-    if name in ("auto", "torch"):
+    if name == "torch":
         return TorchAttentionBackend()
-    raise ValueError(f"unknown attention backend {name!r}; known: auto, torch")
+    if name in ("auto", "cpu") and device.type == "cpu":
+        from pagedserve.kernels.cpu_attention import CPUAttentionBackend, cpu_kernels
+
+        if cpu_kernels() is not None:
+            return CPUAttentionBackend()
+        if name == "cpu":
+            raise RuntimeError("the CPU attention kernel could not be built (see the log)")
+    if name in ("auto", "cpu"):
+        return TorchAttentionBackend()
+    raise ValueError(f"unknown attention backend {name!r}; known: auto, torch, cpu")

@@ -44,11 +44,11 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
-    def prepare(self, metadata: AttentionMetadata, block_size: int) -> None:
+    def prepare(self, metadata: AttentionMetadata, block_size: int, gather_decodes: bool = True) -> None:
         device = metadata.slot_mapping.device
         nd = metadata.num_decodes
         decode_blocks = decode_mask = None
-        if nd:
+        if nd and gather_decodes:
             # Whole blocks are gathered (one memcpy each), the tail of the last one masked.
             max_blocks = -(-max(metadata.seq_lens_cpu[:nd]) // block_size)
             decode_blocks = metadata.block_tables[:nd, :max_blocks].flatten().long()
@@ -81,8 +81,6 @@ class TorchAttentionBackend(AttentionBackend):
         plan: _TorchPlan = metadata.backend_state
         num_kv_heads, head_dim = key.shape[1], key.shape[2]
         write_kv(key, value, kv_cache, metadata.slot_mapping)
-        k_flat = kv_cache[0].view(-1, num_kv_heads, head_dim)
-        v_flat = kv_cache[1].view(-1, num_kv_heads, head_dim)
         out = torch.empty_like(query)
         nd = metadata.num_decodes
         if nd:
@@ -92,24 +90,32 @@ class TorchAttentionBackend(AttentionBackend):
             q = query[:nd].unsqueeze(2)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.decode_mask, scale=scale, enable_gqa=True)
             out[:nd] = o.squeeze(2)
-        for g in plan.prefill_groups:
-            if g.token_index is None:
-                rows = slice(g.start, g.start + g.q_len)
-                q = query[rows].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, head_dim]
-                if g.context_slots is None:
-                    k = key[rows].transpose(0, 1).unsqueeze(0)
-                    v = value[rows].transpose(0, 1).unsqueeze(0)
-                    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-                else:
-                    k = k_flat[g.context_slots].transpose(0, 1).unsqueeze(0)
-                    v = v_flat[g.context_slots].transpose(0, 1).unsqueeze(0)
-                    o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scale, enable_gqa=True)
-                out[rows] = o[0].transpose(0, 1)
-            else:
-                shape = (g.num_seqs, g.q_len)
-                q = query[g.token_index].view(*shape, -1, head_dim).transpose(1, 2)
-                k = key[g.token_index].view(*shape, num_kv_heads, head_dim).transpose(1, 2)
-                v = value[g.token_index].view(*shape, num_kv_heads, head_dim).transpose(1, 2)
-                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-                out[g.token_index] = o.transpose(1, 2).reshape(-1, query.shape[1], head_dim)
+        attend_prefills(query, key, value, kv_cache, plan, scale, out)
         return out
+
+
+def attend_prefills(query, key, value, kv_cache, plan: _TorchPlan, scale: float, out: torch.Tensor) -> None:
+    """Causal attention of every prefill chunk, written into its rows of `out`."""
+    num_kv_heads, head_dim = key.shape[1], key.shape[2]
+    k_flat = kv_cache[0].view(-1, num_kv_heads, head_dim)
+    v_flat = kv_cache[1].view(-1, num_kv_heads, head_dim)
+    for g in plan.prefill_groups:
+        if g.token_index is None:
+            rows = slice(g.start, g.start + g.q_len)
+            q = query[rows].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, head_dim]
+            if g.context_slots is None:
+                k = key[rows].transpose(0, 1).unsqueeze(0)
+                v = value[rows].transpose(0, 1).unsqueeze(0)
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+            else:
+                k = k_flat[g.context_slots].transpose(0, 1).unsqueeze(0)
+                v = v_flat[g.context_slots].transpose(0, 1).unsqueeze(0)
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scale, enable_gqa=True)
+            out[rows] = o[0].transpose(0, 1)
+        else:
+            shape = (g.num_seqs, g.q_len)
+            q = query[g.token_index].view(*shape, -1, head_dim).transpose(1, 2)
+            k = key[g.token_index].view(*shape, num_kv_heads, head_dim).transpose(1, 2)
+            v = value[g.token_index].view(*shape, num_kv_heads, head_dim).transpose(1, 2)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+            out[g.token_index] = o.transpose(1, 2).reshape(-1, query.shape[1], head_dim)

@@ -1,0 +1,61 @@
+"""The CPU attention backend: the torch backend with decodes in a C++ kernel.
+
+The torch reference gathers every decode's blocks into a padded copy before attending;
+on CPU that copy costs as much as the attention itself. The kernel in
+csrc/cpu_paged_attention.cpp reads each cached key and value once, in place. It is built
+with torch's extension builder on first use (cached under ~/.cache/torch_extensions); if
+it cannot be built, the worker logs why and stays on the torch backend.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+
+import torch
+
+from pagedserve.kernels.attention_backend import AttentionMetadata
+from pagedserve.kernels.torch_attention import TorchAttentionBackend, attend_prefills, write_kv
+
+logger = logging.getLogger(__name__)
+_SOURCE = Path(__file__).parent / "csrc" / "cpu_paged_attention.cpp"
+
+
+@functools.cache
+def cpu_kernels():
+    """The compiled extension module, or None when it cannot be built here."""
+    try:
+        from torch.utils.cpp_extension import load
+
+        return load(
+            name="pagedserve_cpu_attention",
+            sources=[str(_SOURCE)],
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as exc:  # no compiler, no ninja, ...: the torch backend still works
+        logger.warning("CPU attention kernel unavailable, using the torch backend: %s", exc)
+        return None
+
+
+def paged_decode_attention(query, kv_cache, block_tables, seq_lens, scale):
+    """query [n, heads, head_dim] of n one-token decodes → [n, heads, head_dim]."""
+    return cpu_kernels().paged_decode_attention(query, kv_cache[0], kv_cache[1], block_tables, seq_lens, scale)
+
+
+class CPUAttentionBackend(TorchAttentionBackend):
+    name = "cpu"
+
+    def prepare(self, metadata: AttentionMetadata, block_size: int) -> None:
+        super().prepare(metadata, block_size, gather_decodes=False)
+
+    def forward(self, query, key, value, kv_cache, metadata, scale):
+        write_kv(key, value, kv_cache, metadata.slot_mapping)
+        nd = metadata.num_decodes
+        out = torch.empty_like(query)
+        if nd:
+            out[:nd] = paged_decode_attention(query[:nd], kv_cache, metadata.block_tables[:nd], metadata.seq_lens[:nd], scale)
+        attend_prefills(query, key, value, kv_cache, metadata.backend_state, scale, out)
+        return out
