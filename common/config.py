@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import msgspec
+
 from pagedserve.common.errors import InvalidParameterError
 
 DEFAULT_MODEL = "smollm2-135m-instruct"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import msgspec
+
 from pagedserve.common.errors import InvalidParameterError
 
 #: Upper bound on `n` and on `logprobs` unless the engine is configured otherwise.

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
 from pagedserve.kernels.attention_backend import AttentionBackend, AttentionMetadata
 
 

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 import torch
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
 from pagedserve.common.config import EngineConfig
 from pagedserve.common.errors import ContextLengthExceededError, InvalidParameterError
 from pagedserve.common.model_store import resolve_model
@@ -24,7 +26,6 @@ from pagedserve.worker.kv_cache_pool import KVCachePool, KVCacheSpec
 from pagedserve.worker.model_loader import load_model
 from pagedserve.worker.model_runner import ModelRunner
 from pagedserve.worker.request import Request, RequestStatus
-from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 logger = logging.getLogger(__name__)
 

@@ -7,8 +7,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from pagedserve.plugins import load_plugin
 from safetensors import safe_open
+
+from pagedserve.plugins import load_plugin
 
 
 def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
 from pagedserve.kernels.attention_backend import AttentionBackend, AttentionMetadata
 from pagedserve.worker.sampler import SamplerOutput, SamplingMetadata
 from pagedserve.worker.scheduler import SchedulerOutput

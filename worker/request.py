@@ -11,6 +11,7 @@ from pagedserve.common.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     import torch
+
     from pagedserve.prefix_cache import Block
 
 

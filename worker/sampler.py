@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from pagedserve.plugins.base import SamplerPlugin
 
 

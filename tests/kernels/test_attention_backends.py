@@ -16,7 +16,7 @@ def build_batch(query_lens, context_lens, num_heads, num_kv_heads, head_dim, blo
     num_blocks = sum(-(-c // block_size) for c in context_lens) + 3
     kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
     perm = torch.randperm(num_blocks, generator=g).tolist()
-    tables, slots, seq_keys, seq_values = [], [], [], []
+    tables, slots = [], []
     total_q = sum(query_lens)
     query = torch.randn(total_q, num_heads, head_dim, generator=g).to(dtype)
     key = torch.randn(total_q, num_kv_heads, head_dim, generator=g).to(dtype)

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from pagedserve.common.errors import PluginError
 from pagedserve.plugins import load_plugin, registry
 from pagedserve.worker.models.llama import LlamaForCausalLM, Qwen3ForCausalLM

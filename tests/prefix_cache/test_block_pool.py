@@ -1,4 +1,5 @@
 import pytest
+
 from pagedserve.prefix_cache import BlockPool
 
 

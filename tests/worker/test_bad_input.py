@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from engine_helpers import assert_pool_clean
+
 from pagedserve import LLM, SamplingParams
 from pagedserve.common.config import EngineConfig
 from pagedserve.common.errors import (
@@ -11,6 +11,8 @@ from pagedserve.common.errors import (
     InvalidParameterError,
     UnknownModelError,
 )
+
+from engine_helpers import assert_pool_clean
 
 
 @pytest.mark.parametrize(

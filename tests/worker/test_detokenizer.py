@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from engine_helpers import assert_pool_clean
+
 from pagedserve import LLM, SamplingParams
 from pagedserve.worker.detokenizer import IncrementalDetokenizer, StopStringChecker
+
+from engine_helpers import assert_pool_clean
 from tiny_models import build_tokenizer
 
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_helpers import assert_pool_clean, hf_greedy, mixed_prompts
+
 from pagedserve import LLM, SamplingParams
 from pagedserve.worker.request import Request
 from pagedserve.worker.scheduler import ScheduledRequest
+
+from engine_helpers import assert_pool_clean, hf_greedy, mixed_prompts
 
 MAX_NEW = 12
 MODES = {

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import torch
-from engine_helpers import assert_pool_clean, mixed_prompts
+
 from pagedserve import LLM, SamplingParams
 from pagedserve.worker.sampler import DefaultSampler, SamplingMetadata, apply_penalties
+
+from engine_helpers import assert_pool_clean, mixed_prompts
 
 VOCAB = 50
 

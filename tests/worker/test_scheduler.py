@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from engine_helpers import assert_pool_clean, mixed_prompts
 from pagedserve import LLM, SamplingParams
 from pagedserve.common.config import EngineConfig
 from pagedserve.worker.kv_cache_manager import KVCacheManager
 from pagedserve.worker.model_runner import RunnerOutput
 from pagedserve.worker.request import Request, RequestStatus
 from pagedserve.worker.scheduler import FCFSScheduler
+
+from engine_helpers import assert_pool_clean, mixed_prompts
 
 GREEDY = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
 

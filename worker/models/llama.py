@@ -12,11 +12,12 @@ from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from pagedserve.kernels.attention_backend import AttentionMetadata
 from pagedserve.plugins.base import CausalLMPlugin
 from pagedserve.worker.layers.norm import RMSNorm
 from pagedserve.worker.layers.rotary import RotaryEmbedding, rope_parameters
-from torch import nn
 
 
 class DecoderAttention(nn.Module):

@@ -1,6 +1,7 @@
 """A third-party plugin package: a custom sampler and a custom model architecture."""
 
 import torch
+
 from pagedserve.plugins import API_VERSION, SamplerPlugin
 from pagedserve.worker.models.llama import LlamaForCausalLM
 from pagedserve.worker.sampler import SamplerOutput

@@ -1,0 +1,57 @@
+"""Checkpoints: sharded safetensors, tied embeddings, dtypes, logprobs in the outputs."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import torch
+
+from pagedserve import LLM, SamplingParams
+
+from engine_helpers import hf_greedy, mixed_prompts
+from tiny_models import build_checkpoint
+
+
+def test_sharded_checkpoint_with_tied_embeddings(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    single = build_checkpoint("llama", tmp_path / "single", tie_word_embeddings=True)
+    model = AutoModelForCausalLM.from_pretrained(single)
+    sharded = tmp_path / "sharded"
+    model.save_pretrained(sharded, max_shard_size="100KB")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (sharded / name).write_bytes((single / name).read_bytes())
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    assert "lm_head.weight" not in index["weight_map"]
+    prompts = mixed_prompts()[:4]
+    llm = LLM(str(sharded), kv_cache_memory=1 << 22)
+    ours = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))]
+    assert ours == hf_greedy(single, prompts, 8)
+
+
+def test_float16_engine_runs(tiny_checkpoint):
+    llm = LLM(str(tiny_checkpoint("qwen2")), dtype="float16", kv_cache_memory=1 << 22)
+    assert llm.engine.dtype == torch.float16
+    assert llm.engine.kv_pool.kv_caches[0].dtype == torch.float16
+    out = llm.generate([[3, 4, 5]], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 5
+
+
+def test_logprobs_report_the_sampled_token_and_top_n(tiny_checkpoint):
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tiny_checkpoint("llama-gqa")
+    llm = LLM(str(model_dir), kv_cache_memory=1 << 22)
+    prompt = [7, 8, 9, 10]
+    out = llm.generate([prompt], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=2))[0].outputs[0]
+    assert len(out.logprobs) == 3
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        expected = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, -1], -1)
+    first = out.logprobs[0]
+    assert first.sampled.token_id == out.token_ids[0] == int(expected.argmax())
+    assert [t.token_id for t in first.top] == expected.topk(2).indices.tolist()
+    assert math.isclose(first.sampled.logprob, float(expected.max()), abs_tol=1e-4)
+    assert first.top[0].token == llm.get_tokenizer().decode([first.top[0].token_id])
