@@ -82,6 +82,16 @@ def _plugins_list(args) -> int:
     return 0
 
 
+def _add_engine_arguments(parser: argparse.ArgumentParser, max_tokens: int, temperature: float, top_p: float) -> None:
+    """The model and sampling flags shared by `generate` and `chat`."""
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--max-tokens", type=int, default=max_tokens)
+    parser.add_argument("--temperature", type=float, default=temperature)
+    parser.add_argument("--top-p", type=float, default=top_p)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", description="LLM inference server")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -89,23 +99,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate text from prompts, in this process")
     gen.add_argument("prompt", nargs="+")
-    gen.add_argument("--model", default=DEFAULT_MODEL)
-    gen.add_argument("--dtype", default="auto")
-    gen.add_argument("--device", default="auto")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
+    _add_engine_arguments(gen, max_tokens=64, temperature=0.0, top_p=1.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template to the first prompt")
     gen.set_defaults(func=_generate)
 
     chat = sub.add_parser("chat", help="chat with a model in the terminal, in this process")
-    chat.add_argument("--model", default=DEFAULT_MODEL)
-    chat.add_argument("--dtype", default="auto")
-    chat.add_argument("--device", default="auto")
-    chat.add_argument("--max-tokens", type=int, default=256)
-    chat.add_argument("--temperature", type=float, default=0.7)
-    chat.add_argument("--top-p", type=float, default=0.9)
+    _add_engine_arguments(chat, max_tokens=256, temperature=0.7, top_p=0.9)
     chat.set_defaults(func=_chat)
 
     models = sub.add_parser("models", help="fetch and list models").add_subparsers(dest="models_command", required=True)

@@ -26,7 +26,7 @@ class CompletionOutput(msgspec.Struct):
     index: int  # which of the n completions this is
     text: str  # the full text so far (stop string removed)
     token_ids: list[int]  # every generated token id so far
-    finish_reason: str | None = None  # "stop", "length", "abort", or None while running
+    finish_reason: str | None = None  # "stop", "length", "abort", "error", or None while running
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     logprobs: list[Logprobs] | None = None  # one entry per generated token, when asked
     text_delta: str = ""  # text that is new since the previous output of this completion
@@ -45,3 +45,4 @@ class RequestOutput(msgspec.Struct):
     outputs: list[CompletionOutput]
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    error: str | None = None  # why the request failed, when the engine could not serve it

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import msgspec
 import torch
@@ -52,7 +52,6 @@ class _UserRequest:
     completions: list[_Completion]
     sequence_ids: list[str]
     num_cached_tokens: int = 0
-    changed: bool = field(default=False)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -196,7 +195,11 @@ class Engine:
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             return []
-        runner_output = self.runner.run(scheduler_output)
+        try:
+            runner_output = self.runner.run(scheduler_output)
+        except Exception as exc:  # a failed step fails its requests, never the engine loop
+            logger.exception("engine step failed; ending the %d requests it served", len(scheduler_output.scheduled))
+            return self._fail({e.request.parent_id for e in scheduler_output.scheduled}, f"{type(exc).__name__}: {exc}")
         updates = self.scheduler.update(scheduler_output, runner_output)
         changed: dict[str, _UserRequest] = {}
         stopped: list[str] = []
@@ -211,6 +214,18 @@ class Engine:
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         return [self._emit(user) for user in changed.values()]
+
+    def _fail(self, request_ids: set[str], error: str) -> list[RequestOutput]:
+        """End these user requests with an error the caller sees; their blocks are freed."""
+        outputs = []
+        for request_id in request_ids:
+            user = self._requests[request_id]
+            self.scheduler.finish_requests(user.sequence_ids, RequestStatus.FINISHED_ABORTED)
+            for c in user.completions:
+                if c.output.finish_reason is None:
+                    c.output.finish_reason = "error"
+            outputs.append(msgspec.structs.replace(self._emit(user), error=error))
+        return outputs
 
     def _append_token(self, completion: _Completion, seq: Request, update) -> bool:
         """Record a sequence's new token and text; True when a stop string ended it."""

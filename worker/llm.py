@@ -84,6 +84,9 @@ class LLM:
                 if output.finished:
                     final[output.request_id] = output
                     pending.discard(output.request_id)
+        failed = [o for o in final.values() if o.error is not None]
+        if failed:
+            raise RuntimeError(f"{len(failed)} of {len(request_ids)} requests failed: {failed[0].error}")
         return [final[r] for r in request_ids]
 
 

@@ -47,9 +47,17 @@ class SamplerOutput:
 class DefaultSampler(SamplerPlugin):
     """greedy / temperature, top_k, top_p, min_p, penalties, min_tokens, seeds, logprobs."""
 
-    def __init__(self, config=None, seed: int | None = None, device: str | torch.device = "cpu"):
-        self.generator = torch.Generator(device=device)
-        self.generator.manual_seed(seed if seed is not None else getattr(config, "seed", 0))
+    def __init__(self, config=None, seed: int | None = None):
+        self.seed = seed if seed is not None else getattr(config, "seed", 0)
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        """The generator for rows without a seed of their own, one per device."""
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = self._generators[device] = torch.Generator(device=device)
+            gen.manual_seed(self.seed)
+        return gen
 
     def sample(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         # Logprobs are reported for the model's own distribution, before any processing.
@@ -69,7 +77,7 @@ class DefaultSampler(SamplerPlugin):
             if md.min_p is not None:
                 cut = md.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
                 probs = probs.masked_fill(probs < cut, 0.0)
-            noise = torch.empty_like(probs).exponential_(generator=self.generator)
+            noise = torch.empty_like(probs).exponential_(generator=self.generator(probs.device))
             for row, gen in md.generators.items():
                 noise[row].exponential_(generator=gen)
             tokens = torch.where(is_greedy, greedy, (probs / noise).argmax(dim=-1))

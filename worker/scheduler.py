@@ -10,6 +10,7 @@ oldest running request is never chosen, so it always progresses and nothing star
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -165,6 +166,8 @@ class FCFSScheduler(SchedulerPlugin):
             if token is None:
                 continue  # a prefill chunk that did not reach the end of the prompt
             request.token_ids.append(token)
+            if request.first_token_time is None:
+                request.first_token_time = time.monotonic()
             status = self._check_stop(request, token)
             if status is not None:
                 self._finish(request, status)

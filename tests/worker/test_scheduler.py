@@ -107,3 +107,29 @@ def test_abort_anywhere_frees_blocks(tiny_checkpoint):
     assert all(seen_finish[f"r{i}"] == "length" for i in range(8, 15))
     assert engine.abort_request("r3") is None  # already gone
     assert_pool_clean(engine)
+
+
+def test_a_failing_step_fails_its_requests_not_the_engine(tiny_checkpoint):
+    llm = LLM(str(tiny_checkpoint("llama-gqa")), kv_cache_memory=1 << 22)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    expected = llm.generate([[4, 5, 6]], params)[0].outputs[0].token_ids
+    real_forward = engine.model.forward
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("simulated device fault")
+        return real_forward(*args, **kwargs)
+
+    engine.model.forward = broken
+    engine.add_request("a", [4, 5, 6], params)
+    outputs = engine.step() + engine.step()
+    failed = [o for o in outputs if o.finished]
+    assert len(failed) == 1 and failed[0].error == "RuntimeError: simulated device fault"
+    assert failed[0].outputs[0].finish_reason == "error"
+    assert_pool_clean(engine)
+    del engine.model.forward
+    # the engine goes on serving
+    assert llm.generate([[4, 5, 6]], params)[0].outputs[0].token_ids == expected
