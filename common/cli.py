@@ -54,6 +54,22 @@ def _chat(args) -> int:
         history.append({"role": "assistant", "content": reply})
 
 
+def _plan(args) -> int:
+    from pagedserve.common.planner import ModelShape, format_plan, parse_bytes, plan
+
+    lengths = None
+    if args.lengths:
+        if args.lengths.startswith("uniform:"):
+            low, high = (int(x) for x in args.lengths.removeprefix("uniform:").split(":"))
+            lengths = list(range(low, high + 1))
+        else:
+            lengths = [int(x) for x in args.lengths.split(",")]
+    result = plan(ModelShape.from_path(args.model), parse_bytes(args.memory), args.context, args.dtype,
+                  args.kv_dtype, args.block_size, args.reserve, lengths)
+    print(format_plan(result, args.context))
+    return 0
+
+
 def _models_pull(args) -> int:
     from pagedserve.common.model_store import pull
 
@@ -107,6 +123,17 @@ def build_parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="chat with a model in the terminal, in this process")
     _add_engine_arguments(chat, max_tokens=256, temperature=0.7, top_p=0.9)
     chat.set_defaults(func=_chat)
+
+    pl = sub.add_parser("plan", help="KV-cache capacity: sequences that fit, and what paging saves")
+    pl.add_argument("--model", required=True, help="a checkpoint directory or a config.json")
+    pl.add_argument("--memory", required=True, help="accelerator memory, e.g. 80GiB")
+    pl.add_argument("--context", type=int, required=True, help="tokens per sequence (prompt + output)")
+    pl.add_argument("--dtype", default="bfloat16")
+    pl.add_argument("--kv-dtype", default=None, help="KV cache element type (default: --dtype)")
+    pl.add_argument("--block-size", type=int, default=16)
+    pl.add_argument("--reserve", type=float, default=0.0, help="share of memory kept for activations")
+    pl.add_argument("--lengths", default=None, help="typical sequence lengths: 'uniform:LO:HI' or '100,900,...'")
+    pl.set_defaults(func=_plan)
 
     models = sub.add_parser("models", help="fetch and list models").add_subparsers(dest="models_command", required=True)
     pull = models.add_parser("pull", help="fetch and convert a known model into the cache")

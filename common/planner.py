@@ -1,0 +1,168 @@
+"""KV-cache capacity planning: how many sequences fit, and what paging saves.
+
+Pure arithmetic over a model's config.json (and its safetensors headers when the
+checkpoint is there), so it runs anywhere, without torch.
+
+    KV bytes per token = 2 (K and V) × layers × KV heads × head_dim × bytes per element
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from pagedserve.common.errors import InvalidParameterError
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "int8": 1}
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """'80GiB', '1.5 GB', '4096' → bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise InvalidParameterError("memory", f"cannot read {text!r} as a size (e.g. 80GiB, 24GB, 1.5TiB)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """What the plan needs from a config.json."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    num_parameters: int  # counted from the safetensors headers, else estimated from the config
+
+    @classmethod
+    def from_path(cls, path: str | Path) -> ModelShape:
+        """A checkpoint directory or a config.json file."""
+        path = Path(path)
+        config_file = path / "config.json" if path.is_dir() else path
+        if not config_file.is_file():
+            raise InvalidParameterError("model", f"{path} is neither a config.json nor a directory holding one")
+        cfg = json.loads(config_file.read_text())
+        cfg = cfg.get("text_config", cfg)
+        heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        kv_heads = cfg.get("num_key_value_heads") or heads
+        params = _count_safetensors(config_file.parent) or _estimate_parameters(cfg, head_dim, kv_heads)
+        return cls(cfg["num_hidden_layers"], kv_heads, head_dim, params)
+
+    def kv_bytes_per_token(self, kv_dtype: str) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES[kv_dtype]
+
+
+def _estimate_parameters(cfg: dict, head_dim: int, kv_heads: int) -> int:
+    """Parameters of a Llama-style decoder (attention, SwiGLU MLP, two norms per layer)."""
+    h, vocab = cfg["hidden_size"], cfg["vocab_size"]
+    q = cfg["num_attention_heads"] * head_dim
+    kv = kv_heads * head_dim
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * cfg["intermediate_size"] + 2 * h
+    embeddings = vocab * h * (1 if cfg.get("tie_word_embeddings", False) else 2)
+    return cfg["num_hidden_layers"] * per_layer + embeddings + h
+
+
+def _count_safetensors(model_dir: Path) -> int | None:
+    """Exact parameter count from the safetensors headers (no tensor data is read)."""
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        return None
+    total = 0
+    for file in files:
+        with open(file, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length))
+        total += sum(math.prod(t["shape"]) for k, t in header.items() if k != "__metadata__")
+    return total
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """The answer of `pagedserve plan`."""
+
+    weight_bytes: int
+    kv_bytes_per_token: int
+    kv_bytes_per_sequence: int  # at the full context, rounded up to whole blocks
+    kv_budget_bytes: int  # memory left for the KV cache once the weights are in
+    max_sequences_at_context: int  # concurrent sequences that each reach the full context
+    num_blocks: int
+    # Given a length distribution: sequences that fit when each reserves the full context,
+    # against sequences that fit when each holds only the blocks its length needs.
+    sequences_reserving_context: int | None = None
+    sequences_paged: int | None = None
+    mean_length: float | None = None
+
+    @property
+    def paged_gain(self) -> float | None:
+        if self.sequences_paged is None or not self.sequences_reserving_context:
+            return None
+        return self.sequences_paged / self.sequences_reserving_context
+
+
+def plan(
+    shape: ModelShape,
+    memory_bytes: int,
+    context: int,
+    dtype: str = "bfloat16",
+    kv_dtype: str | None = None,
+    block_size: int = 16,
+    reserved_fraction: float = 0.0,
+    lengths: Sequence[int] | None = None,
+) -> Plan:
+    """Capacity of `memory_bytes` for this model at `context` tokens per sequence.
+
+    `reserved_fraction` keeps part of the memory for activations and the runtime.
+    `lengths`, if given, are typical sequence lengths (prompt + output) of the traffic.
+    """
+    for name, value in (("dtype", dtype), ("kv_dtype", kv_dtype or dtype)):
+        if value not in DTYPE_BYTES:
+            raise InvalidParameterError(name, f"must be one of {', '.join(DTYPE_BYTES)}, got {value!r}")
+    if context < 1 or block_size < 1:
+        raise InvalidParameterError("context", "context and block size must be positive")
+    kv_dtype = kv_dtype or dtype
+    weight_bytes = shape.num_parameters * DTYPE_BYTES[dtype]
+    per_token = shape.kv_bytes_per_token(kv_dtype)
+    per_block = per_token * block_size
+    budget = int(memory_bytes * (1 - reserved_fraction)) - weight_bytes
+    if budget <= 0:
+        raise InvalidParameterError("memory", f"the weights alone ({weight_bytes / 2**30:.2f} GiB) do not fit")
+    num_blocks = budget // per_block
+    blocks_per_seq = -(-context // block_size)
+    result = dict(
+        weight_bytes=weight_bytes, kv_bytes_per_token=per_token, kv_bytes_per_sequence=blocks_per_seq * per_block,
+        kv_budget_bytes=budget, max_sequences_at_context=num_blocks // blocks_per_seq, num_blocks=num_blocks,
+    )
+    if lengths:
+        lengths = [min(n, context) for n in lengths]
+        mean_blocks = sum(-(-n // block_size) for n in lengths) / len(lengths)
+        result.update(
+            sequences_reserving_context=num_blocks // blocks_per_seq,
+            sequences_paged=int(num_blocks // mean_blocks),
+            mean_length=sum(lengths) / len(lengths),
+        )
+    return Plan(**result)
+
+
+def format_plan(p: Plan, context: int) -> str:
+    gib = 2**30
+    rows = [
+        ("weights", f"{p.weight_bytes / gib:.2f} GiB"),
+        ("KV cache per token", f"{p.kv_bytes_per_token / 1024:.1f} KiB"),
+        (f"KV cache per {context}-token sequence", f"{p.kv_bytes_per_sequence / gib:.3f} GiB"),
+        ("KV cache budget", f"{p.kv_budget_bytes / gib:.2f} GiB ({p.num_blocks} blocks)"),
+        ("sequences at full context", f"{p.max_sequences_at_context}"),
+    ]
+    if p.sequences_paged is not None:
+        rows += [
+            ("mean sequence length", f"{p.mean_length:.1f} tokens"),
+            ("sequences, full-context reservation", f"{p.sequences_reserving_context}"),
+            ("sequences, paged blocks", f"{p.sequences_paged} ({p.paged_gain:.1f}x)"),
+        ]
+    return "\n".join(f"{label:38}{value}" for label, value in rows)

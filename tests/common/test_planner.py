@@ -1,0 +1,81 @@
+"""`pagedserve plan` against values computed by hand."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pagedserve.common.cli import main
+from pagedserve.common.errors import InvalidParameterError
+from pagedserve.common.planner import ModelShape, parse_bytes, plan
+
+GIB = 2**30
+LLAMA3_8B = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, num_hidden_layers=32,
+                 intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False)
+LLAMA3_70B = dict(hidden_size=8192, num_attention_heads=64, num_key_value_heads=8, num_hidden_layers=80,
+                  intermediate_size=28672, vocab_size=128256, tie_word_embeddings=False)
+
+
+@pytest.fixture
+def config_file(tmp_path):
+    def write(cfg):
+        path = tmp_path / f"config-{cfg['num_hidden_layers']}.json"
+        path.write_text(json.dumps(cfg))
+        return path
+    return write
+
+
+def test_llama3_8b_needs_one_gib_per_8k_sequence(config_file):
+    shape = ModelShape.from_path(config_file(LLAMA3_8B))
+    assert shape.num_parameters == 8_030_261_248  # Llama-3-8B's published count
+    assert shape.kv_bytes_per_token("bfloat16") == 2 * 32 * 8 * 128 * 2 == 128 * 1024
+    p = plan(shape, 80 * GIB, 8192)
+    assert p.kv_bytes_per_sequence == 1 * GIB
+    assert p.weight_bytes == 2 * 8_030_261_248
+    num_blocks = (80 * GIB - 2 * 8_030_261_248) // (128 * 1024 * 16)
+    assert p.num_blocks == num_blocks
+    assert p.max_sequences_at_context == num_blocks // 512 == 65
+
+
+def test_llama3_70b_gqa(config_file):
+    shape = ModelShape.from_path(config_file(LLAMA3_70B))
+    assert shape.num_parameters == 70_553_706_496
+    assert plan(shape, 4 * 80 * GIB, 4096).kv_bytes_per_sequence == 1.25 * GIB
+    assert plan(shape, 4 * 80 * GIB, 2048).kv_bytes_per_sequence == 0.625 * GIB
+    with pytest.raises(InvalidParameterError):
+        plan(shape, 80 * GIB, 4096)  # 141 GB of weights do not fit one 80 GiB GPU
+
+
+def test_paging_gain_for_a_length_distribution(config_file):
+    shape = ModelShape.from_path(config_file(LLAMA3_8B))
+    # half the sequences use 1,000 tokens, half 3,000: 63 and 188 blocks instead of 512
+    p = plan(shape, 80 * GIB, 8192, lengths=[1000, 3000])
+    assert p.sequences_reserving_context == 65
+    assert p.sequences_paged == int(p.num_blocks // ((63 + 188) / 2))
+    assert p.paged_gain == pytest.approx(p.sequences_paged / 65)
+    assert p.mean_length == 2000
+
+
+def test_safetensors_headers_give_the_exact_count(tiny_checkpoint):
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tiny_checkpoint("qwen2")
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    assert ModelShape.from_path(model_dir).num_parameters == sum(p.numel() for p in model.parameters())
+
+
+def test_sizes_and_cli(config_file, capsys):
+    assert parse_bytes("80GiB") == 80 * GIB and parse_bytes("1.5 GB") == 1_500_000_000 and parse_bytes("4096") == 4096
+    with pytest.raises(InvalidParameterError):
+        parse_bytes("lots")
+    assert main(["plan", "--model", str(config_file(LLAMA3_8B)), "--memory", "80GiB", "--context", "8192",
+                 "--lengths", "1000,3000"]) == 0
+    out = capsys.readouterr().out
+    assert "KV cache per 8192-token sequence      1.000 GiB\n" in out
+    assert "sequences at full context             65\n" in out
+    assert f"sequences, paged blocks               {int(p_blocks(out) // ((63 + 188) / 2))} " in out
+
+
+def p_blocks(out: str) -> int:
+    return int(out.split("GiB (")[-1].split(" blocks")[0])
