@@ -36,6 +36,18 @@ class CompletionOutput(msgspec.Struct):
         return self.finish_reason is not None
 
 
+class RequestMetrics(msgspec.Struct):
+    """When things happened to a request, in time.monotonic() seconds of the worker."""
+
+    arrival_time: float  # added to the engine
+    first_token_time: float | None = None  # its first output token was sampled
+    finished_time: float | None = None  # its last completion ended
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
 class RequestOutput(msgspec.Struct):
     """Everything a caller sees of one request."""
 
@@ -46,3 +58,4 @@ class RequestOutput(msgspec.Struct):
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None  # why the request failed, when the engine could not serve it
+    metrics: RequestMetrics | None = None

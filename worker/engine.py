@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from dataclasses import dataclass
 
 import msgspec
@@ -16,7 +17,13 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 from pagedserve.common.config import EngineConfig
 from pagedserve.common.errors import ContextLengthExceededError, InvalidParameterError
 from pagedserve.common.model_store import resolve_model
-from pagedserve.common.outputs import CompletionOutput, Logprobs, RequestOutput, TokenLogprob
+from pagedserve.common.outputs import (
+    CompletionOutput,
+    Logprobs,
+    RequestMetrics,
+    RequestOutput,
+    TokenLogprob,
+)
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.kernels.attention_backend import get_attention_backend
 from pagedserve.plugins import load_plugin
@@ -52,6 +59,8 @@ class _UserRequest:
     completions: list[_Completion]
     sequence_ids: list[str]
     num_cached_tokens: int = 0
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -151,7 +160,7 @@ class Engine:
         room = self.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
 
-        user = _UserRequest(request_id, text, token_ids, [], [])
+        user = _UserRequest(request_id, text, token_ids, [], [], arrival_time=time.monotonic())
         first: Request | None = None
         for index in range(params.n):
             seq_id = request_id if params.n == 1 else f"{request_id}#{index}"
@@ -210,6 +219,8 @@ class Engine:
             if self._append_token(completion, seq, update):
                 stopped.append(seq.request_id)
             user.num_cached_tokens = max(user.num_cached_tokens, seq.num_cached_tokens)
+            if user.first_token_time is None:
+                user.first_token_time = seq.first_token_time
             changed[user.request_id] = user
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
@@ -269,4 +280,6 @@ class Engine:
             del self._requests[user.request_id]
             for seq_id in user.sequence_ids:
                 self._sequence_owner.pop(seq_id, None)
-        return RequestOutput(user.request_id, user.prompt, user.prompt_token_ids, outputs, finished, user.num_cached_tokens)
+        metrics = RequestMetrics(user.arrival_time, user.first_token_time, time.monotonic() if finished else None)
+        return RequestOutput(user.request_id, user.prompt, user.prompt_token_ids, outputs, finished,
+                             user.num_cached_tokens, metrics=metrics)

@@ -101,6 +101,10 @@ class FCFSScheduler(SchedulerPlugin):
         # Admit waiting requests only when nothing was preempted: blocks are short.
         if not preempted:
             admitted = []
+            # Prompt blocks some request computes this step: a waiting request whose next
+            # block is among them waits one step and then takes it from the prefix cache,
+            # instead of computing the same prefix again beside it.
+            in_flight = self._blocks_in_flight(scheduled)
             for request in self.waiting:
                 if budget == 0 or len(self.running) >= self.max_num_seqs:
                     break
@@ -108,6 +112,9 @@ class FCFSScheduler(SchedulerPlugin):
                 if parent is not None and not self._fork_ready(request, parent):
                     continue  # a later sibling waits for its parent's prompt
                 computed = self.kv.get_computed_blocks(request)
+                hashes = request.block_hashes
+                if len(computed) < len(hashes) and hashes[len(computed)] in in_flight:
+                    continue
                 num_computed = len(computed) * self.kv.block_size
                 num_new = request.num_tokens - num_computed
                 if num_new > budget:
@@ -122,11 +129,23 @@ class FCFSScheduler(SchedulerPlugin):
                 admitted.append(request)
                 scheduled[request] = num_new
                 budget -= num_new
+                in_flight.update(hashes[len(computed) : (num_computed + num_new) // self.kv.block_size])
             for request in admitted:
                 self.waiting.remove(request)
 
         out = [ScheduledRequest(r, n) for r, n in scheduled.items()]
         return SchedulerOutput(out, self.max_num_batched_tokens - budget, preempted)
+
+    def _blocks_in_flight(self, scheduled: dict[Request, int]) -> set[bytes]:
+        """Hashes of the full prompt blocks the running requests compute this step."""
+        if not self.kv.enable_caching:
+            return set()
+        bs = self.kv.block_size
+        in_flight: set[bytes] = set()
+        for request, num_new in scheduled.items():
+            start = request.num_computed_tokens // bs
+            in_flight.update(request.block_hashes[start : (request.num_computed_tokens + num_new) // bs])
+        return in_flight
 
     def _fork_ready(self, request: Request, parent: Request) -> bool:
         """Whether a sibling may start: its parent computed the prompt blocks it will share."""

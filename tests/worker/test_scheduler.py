@@ -20,7 +20,9 @@ def make(num_blocks=8, budget=32, max_seqs=8):
 
 
 def req(rid, n_prompt, t, max_tokens=100):
-    return Request(rid, list(range(1, n_prompt + 1)), GREEDY, frozenset(), max_tokens=max_tokens, arrival_time=t)
+    """A request whose prompt shares no block with another arrival time's."""
+    start = 1 + 1000 * int(t)
+    return Request(rid, list(range(start, start + n_prompt)), GREEDY, frozenset(), max_tokens=max_tokens, arrival_time=t)
 
 
 def step(s, token=7):
@@ -133,3 +135,20 @@ def test_a_failing_step_fails_its_requests_not_the_engine(tiny_checkpoint):
     del engine.model.forward
     # the engine goes on serving
     assert llm.generate([[4, 5, 6]], params)[0].outputs[0].token_ids == expected
+
+
+def test_a_prefix_computed_this_step_is_not_computed_twice():
+    s = make(num_blocks=32, budget=64)
+    shared = list(range(1, 10))  # 2 full blocks of 4 + 1 token
+    first = Request("first", shared + [50, 51], GREEDY, frozenset(), max_tokens=10, arrival_time=0.0)
+    second = Request("second", shared + [60, 61, 62], GREEDY, frozenset(), max_tokens=10, arrival_time=1.0)
+    other = Request("other", [90, 91, 92, 93, 94], GREEDY, frozenset(), max_tokens=10, arrival_time=2.0)
+    for r in (first, second, other):
+        s.add_request(r)
+    out = step(s)
+    # second shares first's two full blocks, which first computes now: it waits a step
+    assert [e.request.request_id for e in out.scheduled] == ["first", "other"]
+    out = step(s)
+    assert [(e.request.request_id, e.num_new_tokens) for e in out.scheduled] == [("first", 1), ("other", 1), ("second", 4)]
+    assert second.num_cached_tokens == 8
+    assert second.blocks[:2] == first.blocks[:2]
