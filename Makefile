@@ -28,4 +28,4 @@ test: $(STAMP)
 	$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 bench: $(STAMP)
-	$(PY) bench/offline.py --workload fixed --dtype float32
+	$(VENV)/bin/pagedserve bench offline --workload fixed --dtype float32 --compare transformers

@@ -70,6 +70,12 @@ def _plan(args) -> int:
     return 0
 
 
+def _bench_offline(args) -> int:
+    from pagedserve.worker.offline_bench import run
+
+    return run(args)
+
+
 def _models_pull(args) -> int:
     from pagedserve.common.model_store import pull
 
@@ -134,6 +140,22 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--reserve", type=float, default=0.0, help="share of memory kept for activations")
     pl.add_argument("--lengths", default=None, help="typical sequence lengths: 'uniform:LO:HI' or '100,900,...'")
     pl.set_defaults(func=_plan)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
+    offline = bench.add_parser("offline", help="in-process throughput on the reference workloads")
+    offline.add_argument("--workload", default="fixed", choices=["fixed", "mixed", "shared-prefix"])
+    offline.add_argument("--model", default=DEFAULT_MODEL)
+    offline.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    offline.add_argument("--threads", type=int, default=2)
+    offline.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    offline.add_argument("--max-num-seqs", type=int, default=256)
+    offline.add_argument("--no-prefix-caching", action="store_true")
+    offline.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 2GiB (default: the engine's)")
+    offline.add_argument("--compare", default="", choices=["", "transformers"],
+                         help="also run transformers generate (static batches of 16) and generate_batch")
+    offline.add_argument("--peers", default="", help="comma list of peers to run: generate,generate_batch")
+    offline.add_argument("--json", action="store_true", help="also print the rows as JSON")
+    offline.set_defaults(func=_bench_offline)
 
     models = sub.add_parser("models", help="fetch and list models").add_subparsers(dest="models_command", required=True)
     pull = models.add_parser("pull", help="fetch and convert a known model into the cache")

@@ -1,9 +1,11 @@
-"""Offline throughput on the reference workloads (shared/bench/WORKLOADS.md).
+"""`pagedserve bench offline`: throughput on the reference workloads of WORKLOADS.md.
 
-    python bench/offline.py --workload fixed --dtype float32 [--peers generate,generate_batch]
+    pagedserve bench offline --workload fixed|mixed|shared-prefix [--dtype D] [--compare transformers]
 
-Prints output and total tok/s for pagedserve and, in the same run, for the transformers
-peers; the ratios; and the share of each engine step spent outside the model forward.
+Prints output and total tok/s for pagedserve and, in the same run, for transformers'
+static-batch `generate` and `generate_batch`; the ratios; TTFT; and the share of the
+wall time spent outside the model forward. `shared-prefix` runs with the prefix cache on
+and off.
 """
 
 from __future__ import annotations
@@ -28,16 +30,25 @@ def workload(name: str, vocab_size: int) -> tuple[list[list[int]], list[int]]:
         prompts = [rng.integers(100, vocab_size - 100, size=int(n)).tolist() for n in lengths]
         outputs = np.random.default_rng(1).integers(16, 257, size=64).tolist()
         return prompts, outputs
+    if name == "shared-prefix":
+        prefix = np.random.default_rng(2).integers(100, vocab_size - 100, size=512).tolist()
+        prompts = [prefix + np.random.default_rng(3 + i).integers(100, vocab_size - 100, size=32).tolist() for i in range(64)]
+        return prompts, [32] * 64
     raise SystemExit(f"unknown workload {name!r}")
 
 
 def run_pagedserve(args, prompts, out_lens):
     from pagedserve import LLM, SamplingParams
+    from pagedserve.common.planner import parse_bytes
+
+    kv_bytes = parse_bytes(args.kv_cache_memory) if args.kv_cache_memory else None
     llm = LLM(args.model, dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens,
-              max_num_seqs=args.max_num_seqs, enable_prefix_caching=not args.no_prefix_caching)
+              max_num_seqs=args.max_num_seqs, enable_prefix_caching=not args.no_prefix_caching,
+              kv_cache_memory=kv_bytes)
     engine = llm.engine
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in out_lens]
-    llm.generate([p[:16] for p in prompts[:4]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
+    # warm-up on tokens no workload uses, so it leaves nothing in the prefix cache to hit
+    llm.generate([[i + 1] * 16 for i in range(4)], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
 
     # Where the wall time goes: the model forward, the rest of ModelRunner.run (batch
     # building, sampling), and everything else (scheduling, detokenizing, bookkeeping).
@@ -60,6 +71,9 @@ def run_pagedserve(args, prompts, out_lens):
     elapsed = time.perf_counter() - t0
     del engine.model.forward, engine.runner.run
     extra = {"outside_forward_share": 1 - spent["forward"] / elapsed, "outside_runner_share": 1 - spent["runner"] / elapsed}
+    ttft = sorted(o.metrics.time_to_first_token for o in outs)
+    extra.update(ttft_mean=sum(ttft) / len(ttft), ttft_median=ttft[len(ttft) // 2], ttft_p99=ttft[int(0.99 * (len(ttft) - 1))],
+                 cached_prompt_tokens=sum(o.num_cached_tokens for o in outs))
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     assert produced == sum(out_lens), (produced, sum(out_lens))
     return elapsed, extra
@@ -113,19 +127,10 @@ def run_hf_generate_batch(args, prompts, out_lens):
     return elapsed, {}
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--workload", default="fixed", choices=["fixed", "mixed"])
-    parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--no-prefix-caching", action="store_true")
-    parser.add_argument("--peers", default="", help="comma list: generate,generate_batch")
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
+def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
+    if args.compare == "transformers" and not args.peers:
+        args.peers = "generate,generate_batch"
     from transformers import AutoConfig
 
     from pagedserve.common.model_store import resolve_model
@@ -134,20 +139,23 @@ def main():
     prompts, out_lens = workload(args.workload, vocab)
     num_out, num_total = sum(out_lens), sum(out_lens) + sum(len(p) for p in prompts)
     systems = {"pagedserve": run_pagedserve, "generate": run_hf_generate, "generate_batch": run_hf_generate_batch}
+    names = ["pagedserve"] + [p for p in args.peers.split(",") if p]
+    if args.workload == "shared-prefix":  # the point of this workload: caching on against off
+        systems["pagedserve (no prefix cache)"] = lambda a, p, o: run_pagedserve(argparse.Namespace(**{**vars(a), "no_prefix_caching": True}), p, o)
+        names.insert(1, "pagedserve (no prefix cache)")
     rows = []
-    for name in ["pagedserve"] + [p for p in args.peers.split(",") if p]:
+    for name in names:
         elapsed, extra = systems[name](args, prompts, out_lens)
         rows.append({"system": name, "seconds": elapsed, "output_tok_s": num_out / elapsed, "total_tok_s": num_total / elapsed, **extra})
     base = rows[0]
     print(f"workload={args.workload} model={args.model} dtype={args.dtype} threads={args.threads} torch={torch.__version__}")
-    print(f"{'system':16} {'seconds':>8} {'out tok/s':>10} {'total tok/s':>12} {'pagedserve x':>13}")
+    print(f"{'system':30} {'seconds':>8} {'out tok/s':>10} {'total tok/s':>12} {'pagedserve x':>13} {'TTFT mean/median/p99 s':>24}")
     for r in rows:
-        print(f"{r['system']:16} {r['seconds']:8.1f} {r['output_tok_s']:10.1f} {r['total_tok_s']:12.1f} {base['output_tok_s'] / r['output_tok_s']:13.2f}")
+        ttft = f"{r['ttft_mean']:.2f}/{r['ttft_median']:.2f}/{r['ttft_p99']:.2f}" if "ttft_mean" in r else "-"
+        print(f"{r['system']:30} {r['seconds']:8.1f} {r['output_tok_s']:10.1f} {r['total_tok_s']:12.1f} "
+              f"{base['output_tok_s'] / r['output_tok_s']:13.2f} {ttft:>24}")
     print(f"pagedserve wall time outside the model forward: {base['outside_forward_share']:.1%} "
           f"(of which outside ModelRunner.run, i.e. scheduling/detokenizing/bookkeeping: {base['outside_runner_share']:.1%})")
     if args.json:
         print(json.dumps(rows))
-
-
-if __name__ == "__main__":
-    main()
+    return 0
