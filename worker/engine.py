@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 import time
 from dataclasses import dataclass
 
@@ -79,6 +80,17 @@ def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if config_dtype == torch.float32 else config_dtype
 
 
+def _token_id_list(values, vocab_size: int, param: str) -> list[int]:
+    """Token ids as plain ints (numpy integers welcome); a typed error if any is not a token."""
+    try:
+        ids = [operator.index(t) for t in values if not isinstance(t, bool)]
+    except TypeError:
+        ids = []
+    if len(ids) != len(values) or not all(0 <= t < vocab_size for t in ids):
+        raise InvalidParameterError(param, f"token ids must be integers in [0, {vocab_size})")
+    return ids
+
+
 class Engine:
     def __init__(self, config: EngineConfig | None = None, **overrides):
         config = config or EngineConfig(**overrides)
@@ -149,10 +161,9 @@ class Engine:
         if isinstance(prompt, str):
             text, token_ids = prompt, self.tokenize(prompt)
         else:
-            text, token_ids = None, list(prompt)
-            vocab = self.hf_config.vocab_size
-            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in token_ids):
-                raise InvalidParameterError("prompt", f"token ids must be integers in [0, {vocab})")
+            text, token_ids = None, _token_id_list(prompt, self.hf_config.vocab_size, "prompt")
+        if params.stop_token_ids:
+            _token_id_list(params.stop_token_ids, self.hf_config.vocab_size, "stop_token_ids")
         if not token_ids:
             raise InvalidParameterError("prompt", "the prompt is empty")
         if len(token_ids) >= self.max_model_len:
@@ -167,7 +178,7 @@ class Engine:
             generator = None
             if params.seed is not None:
                 generator = torch.Generator(device=self.device)
-                generator.manual_seed(params.seed + index)
+                generator.manual_seed((params.seed + index) % 2**64)  # any int: negative or huge
             seq = Request(
                 request_id=seq_id, prompt_token_ids=token_ids, sampling_params=params,
                 eos_token_ids=self.eos_token_ids, max_tokens=max_tokens, parent_id=request_id,

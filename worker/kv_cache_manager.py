@@ -71,7 +71,7 @@ class KVCacheManager:
         num_new_blocks = num_needed - len(request.blocks) - len(computed_blocks)
         if num_new_blocks > self.pool.num_free_after_match(computed_blocks):
             return False
-        if computed_blocks or request.num_computed_tokens == 0:
+        if not request.blocks:  # being admitted (new, or back from preemption)
             self.pool.take(computed_blocks)
             request.blocks.extend(computed_blocks)
             request.num_computed_tokens = num_computed

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import numbers
 from collections.abc import Sequence
 
 from pagedserve.common.config import DEFAULT_MODEL, EngineConfig
@@ -94,6 +95,6 @@ def _as_prompt_list(prompts) -> list[Prompt]:
     if isinstance(prompts, str):
         return [prompts]
     prompts = list(prompts)
-    if prompts and all(isinstance(t, int) for t in prompts):
+    if prompts and all(isinstance(t, numbers.Integral) for t in prompts):
         return [prompts]  # one prompt of token ids
     return prompts

@@ -58,6 +58,11 @@ def test_bad_prompts_and_n_above_the_engine_limit(llm):
     with pytest.raises(InvalidParameterError):
         llm.generate([[]])
     with pytest.raises(InvalidParameterError) as info:
+        llm.generate([[1, 2]], SamplingParams(stop_token_ids=[10_000]))
+    assert info.value.param == "stop_token_ids"
+    with pytest.raises(InvalidParameterError):
+        llm.generate([[1, True]])
+    with pytest.raises(InvalidParameterError) as info:
         llm.generate([[1, 2]], SamplingParams(n=5))
     assert info.value.param == "n"
     # a bad prompt in the middle of a batch leaves nothing queued
@@ -65,6 +70,17 @@ def test_bad_prompts_and_n_above_the_engine_limit(llm):
         llm.generate([[1, 2], [1, -3]])
     assert_pool_clean(llm.engine)
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_numpy_token_ids_and_any_integer_seed_are_accepted(llm):
+    import numpy as np
+
+    prompt = np.array([5, 6, 7], dtype=np.int64)
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    assert llm.generate([prompt], params)[0].outputs[0].token_ids == llm.generate([[5, 6, 7]], params)[0].outputs[0].token_ids
+    for seed in (-1, 2**70):
+        out = llm.generate([[5, 6]], SamplingParams(max_tokens=3, seed=seed, ignore_eos=True))[0]
+        assert len(out.outputs[0].token_ids) == 3
 
 
 def test_generation_stops_at_the_context_length(llm):
