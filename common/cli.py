@@ -76,6 +76,34 @@ def _bench_offline(args) -> int:
     return run(args)
 
 
+def _bench_serve(args) -> int:
+    import asyncio
+    import json
+    import math
+
+    from pagedserve.common.serve_bench import (
+        format_summary,
+        parse_slo,
+        run_benchmark,
+        serve_workload,
+        summarize,
+    )
+
+    slo = parse_slo(args.slo)
+    prompts, output_lens = serve_workload(args.num_requests, args.vocab_size)
+    rate = math.inf if args.request_rate == "inf" else float(args.request_rate)
+    records, duration = asyncio.run(run_benchmark(
+        args.base_url, prompts, output_lens, rate, args.max_concurrency, args.model, args.api_key,
+        progress=not args.no_progress,
+    ))
+    summary = summarize(records, duration, slo)
+    print(f"workload=serve requests={len(prompts)} rate={args.request_rate} max_concurrency={args.max_concurrency}")
+    print(format_summary(summary))
+    if args.json:
+        print(json.dumps(summary))
+    return 0 if summary["failed"] == 0 else 1
+
+
 def _models_pull(args) -> int:
     from pagedserve.common.model_store import pull
 
@@ -156,6 +184,19 @@ def build_parser() -> argparse.ArgumentParser:
     offline.add_argument("--peers", default="", help="comma list of peers to run: generate,generate_batch")
     offline.add_argument("--json", action="store_true", help="also print the rows as JSON")
     offline.set_defaults(func=_bench_offline)
+    online = bench.add_parser("serve", help="online benchmark of any OpenAI-compatible server, streaming")
+    online.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
+    online.add_argument("--workload", default="serve", choices=["serve"])
+    online.add_argument("--request-rate", default="inf", help="Poisson arrivals per second, or inf")
+    online.add_argument("--max-concurrency", type=int, default=64)
+    online.add_argument("--num-requests", type=int, default=200)
+    online.add_argument("--vocab-size", type=int, default=49152, help="prompt token ids are drawn below this")
+    online.add_argument("--model", default=None, help="model name to send (default: the first of /v1/models)")
+    online.add_argument("--api-key", default=None)
+    online.add_argument("--slo", default=None, help="e.g. ttft=500,tpot=50 (milliseconds), for goodput")
+    online.add_argument("--no-progress", action="store_true")
+    online.add_argument("--json", action="store_true")
+    online.set_defaults(func=_bench_serve)
 
     models = sub.add_parser("models", help="fetch and list models").add_subparsers(dest="models_command", required=True)
     pull = models.add_parser("pull", help="fetch and convert a known model into the cache")

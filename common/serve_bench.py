@@ -1,0 +1,234 @@
+"""`pagedserve bench serve`: an online benchmark client for any OpenAI-compatible server.
+
+Sends the `serve` workload of WORKLOADS.md (token-id prompts of the `mixed` shapes) to
+`/v1/completions` with streaming, at Poisson arrivals of a given rate (or all at once) and
+at most `max_concurrency` in flight, and reports what vLLM's benchmark client reports, with
+the same definitions:
+
+- TTFT: from sending a request to its first streamed token;
+- TPOT: per request, (E2E − TTFT) / (output tokens − 1), then averaged over requests;
+- ITL: every gap between consecutive streamed chunks, pooled over all requests;
+- E2E: from sending a request to its last token;
+- goodput: completed requests per second that met every SLO given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from pagedserve.common.errors import InvalidParameterError
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """One request's timeline (time.perf_counter seconds) and outcome."""
+
+    prompt_tokens: int
+    start: float
+    chunk_times: list[float] = field(default_factory=list)  # arrival of every chunk with tokens
+    output_tokens: int = 0
+    end: float | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.end is not None and bool(self.chunk_times)
+
+    @property
+    def ttft(self) -> float:
+        return self.chunk_times[0] - self.start
+
+    @property
+    def e2e(self) -> float:
+        return self.end - self.start
+
+    @property
+    def tpot(self) -> float | None:
+        return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else None
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile with linear interpolation between closest ranks (numpy's default)."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def _stats(values: Sequence[float]) -> dict[str, float]:
+    """mean, median and p99 in milliseconds."""
+    if not values:
+        return {"mean_ms": math.nan, "median_ms": math.nan, "p99_ms": math.nan}
+    return {
+        "mean_ms": 1000 * sum(values) / len(values),
+        "median_ms": 1000 * percentile(values, 50),
+        "p99_ms": 1000 * percentile(values, 99),
+    }
+
+
+def summarize(records: Sequence[RequestRecord], duration: float, slo_ms: dict[str, float] | None = None) -> dict:
+    """The benchmark's figures from the request timelines."""
+    done = [r for r in records if r.ok]
+    itls = [b - a for r in done for a, b in zip(r.chunk_times, r.chunk_times[1:])]
+    tpots = [t for r in done if (t := r.tpot) is not None]
+    output_tokens = sum(r.output_tokens for r in done)
+    prompt_tokens = sum(r.prompt_tokens for r in done)
+    good = done
+    for metric, limit in (slo_ms or {}).items():
+        if metric == "ttft":
+            good = [r for r in good if 1000 * r.ttft <= limit]
+        elif metric == "tpot":
+            good = [r for r in good if r.tpot is None or 1000 * r.tpot <= limit]
+        elif metric == "e2e":
+            good = [r for r in good if 1000 * r.e2e <= limit]
+        else:
+            raise InvalidParameterError("slo", f"unknown SLO metric {metric!r}; known: ttft, tpot, e2e")
+    return {
+        "completed": len(done),
+        "failed": len(records) - len(done),
+        "duration_s": duration,
+        "request_throughput": len(done) / duration,
+        "output_throughput": output_tokens / duration,
+        "total_throughput": (prompt_tokens + output_tokens) / duration,
+        "total_output_tokens": output_tokens,
+        "ttft": _stats([r.ttft for r in done]),
+        "tpot": _stats(tpots),
+        "itl": _stats(itls),
+        "e2e": _stats([r.e2e for r in done]),
+        "goodput": len(good) / duration if slo_ms else None,
+        "errors": sorted({r.error for r in records if r.error})[:5],
+    }
+
+
+def parse_slo(text: str | None) -> dict[str, float]:
+    """'ttft=500,tpot=50' → {"ttft": 500.0, "tpot": 50.0} (milliseconds)."""
+    if not text:
+        return {}
+    out = {}
+    for part in text.split(","):
+        name, _, value = part.partition("=")
+        try:
+            out[name.strip()] = float(value)
+        except ValueError:
+            raise InvalidParameterError("slo", f"cannot read {part!r}; write e.g. ttft=500,tpot=50") from None
+    return out
+
+
+def serve_workload(num_requests: int = 200, vocab_size: int = 49152) -> tuple[list[list[int]], list[int]]:
+    """The `serve` workload: prompts and output lengths drawn as `mixed` draws them."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(16, 513, size=num_requests)
+    prompts = [rng.integers(100, vocab_size - 100, size=int(n)).tolist() for n in lengths]
+    outputs = np.random.default_rng(1).integers(16, 257, size=num_requests).tolist()
+    return prompts, outputs
+
+
+async def _send(client, url: str, model: str, prompt: list[int], max_tokens: int, headers: dict) -> RequestRecord:
+    record = RequestRecord(prompt_tokens=len(prompt), start=time.perf_counter())
+    body = {
+        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+        "stream_options": {"include_usage": True}, "ignore_eos": True,
+    }
+    chunks_with_text = 0
+    try:
+        async with client.stream("POST", url, json=body, headers=headers) as response:
+            if response.status_code != 200:
+                text = (await response.aread()).decode(errors="replace")
+                record.error = f"HTTP {response.status_code}: {text[:200]}"
+                return record
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                event = json.loads(data)
+                if event.get("choices") and event["choices"][0].get("text"):
+                    record.chunk_times.append(time.perf_counter())
+                    chunks_with_text += 1
+                if event.get("usage"):
+                    record.output_tokens = event["usage"].get("completion_tokens", 0)
+        record.end = time.perf_counter()
+        if not record.output_tokens:
+            record.output_tokens = chunks_with_text  # servers without usage: one token a chunk
+    except Exception as exc:  # a failed request is counted, never fatal to the run
+        record.error = f"{type(exc).__name__}: {exc}"
+    return record
+
+
+async def run_benchmark(
+    base_url: str,
+    prompts: Sequence[list[int]],
+    output_lens: Sequence[int],
+    request_rate: float = math.inf,
+    max_concurrency: int = 64,
+    model: str | None = None,
+    api_key: str | None = None,
+    seed: int = 0,
+    progress: bool = True,
+) -> tuple[list[RequestRecord], float]:
+    """Send every request; return their records and the wall time of the whole run."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    base = base_url.rstrip("/")
+    timeout = httpx.Timeout(None, connect=30.0)
+    async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=max_concurrency)) as client:
+        if model is None:
+            listing = (await client.get(f"{base}/v1/models", headers=headers)).json()
+            model = listing["data"][0]["id"]
+        semaphore = asyncio.Semaphore(max_concurrency)
+        rng = random.Random(seed)
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(prompts), desc="requests", unit="req")
+
+        async def one(prompt, n):
+            async with semaphore:
+                record = await _send(client, f"{base}/v1/completions", model, prompt, n, headers)
+            if bar is not None:
+                bar.update(1)
+            return record
+
+        start = time.perf_counter()
+        tasks = []
+        for prompt, n in zip(prompts, output_lens):
+            tasks.append(asyncio.create_task(one(prompt, n)))
+            if math.isfinite(request_rate):
+                await asyncio.sleep(rng.expovariate(request_rate))
+        records = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+        if bar is not None:
+            bar.close()
+    return list(records), duration
+
+
+def format_summary(s: dict) -> str:
+    lines = [
+        f"{'completed / failed':28} {s['completed']} / {s['failed']}",
+        f"{'duration':28} {s['duration_s']:.2f} s",
+        f"{'request throughput':28} {s['request_throughput']:.2f} req/s",
+        f"{'output throughput':28} {s['output_throughput']:.1f} tok/s",
+        f"{'total throughput':28} {s['total_throughput']:.1f} tok/s",
+    ]
+    if s["goodput"] is not None:
+        lines.append(f"{'goodput':28} {s['goodput']:.2f} req/s")
+    for metric in ("ttft", "tpot", "itl", "e2e"):
+        m = s[metric]
+        lines.append(f"{metric.upper() + ' mean/median/p99':28} {m['mean_ms']:.1f} / {m['median_ms']:.1f} / {m['p99_ms']:.1f} ms")
+    for error in s["errors"]:
+        lines.append(f"error: {error}")
+    return "\n".join(lines)

@@ -1,0 +1,121 @@
+"""`pagedserve bench serve`: metrics on synthetic timelines, and the client against a stream."""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from pagedserve.common.cli import main
+from pagedserve.common.errors import InvalidParameterError
+from pagedserve.common.serve_bench import (
+    RequestRecord,
+    parse_slo,
+    percentile,
+    serve_workload,
+    summarize,
+)
+
+
+def test_percentile_interpolates_like_numpy():
+    assert percentile([1, 2, 3, 4], 50) == 2.5
+    assert percentile([10.0], 99) == 10.0
+    assert percentile([0, 100], 99) == 99.0
+    assert math.isnan(percentile([], 50))
+
+
+def test_metrics_on_a_synthetic_timeline():
+    a = RequestRecord(prompt_tokens=10, start=0.0, chunk_times=[0.5, 0.7, 1.0], output_tokens=3, end=1.0)
+    b = RequestRecord(prompt_tokens=20, start=1.0, chunk_times=[1.2, 1.3], output_tokens=5, end=2.0)
+    c = RequestRecord(prompt_tokens=5, start=1.5, error="HTTP 429: queue full")
+    s = summarize([a, b, c], duration=4.0, slo_ms={"ttft": 300})
+    assert (s["completed"], s["failed"]) == (2, 1)
+    assert s["request_throughput"] == 0.5
+    assert s["output_throughput"] == 8 / 4 and s["total_throughput"] == (8 + 30) / 4
+    assert s["ttft"]["mean_ms"] == pytest.approx(350) and s["ttft"]["median_ms"] == pytest.approx(350)
+    # TPOT: a = (1.0 - 0.5) / 2 = 0.25 s, b = (1.0 - 0.2) / 4 = 0.2 s
+    assert s["tpot"]["mean_ms"] == pytest.approx(225)
+    # ITL pools every gap: 0.2, 0.3 (a) and 0.1 (b)
+    assert s["itl"]["mean_ms"] == pytest.approx(200) and s["itl"]["median_ms"] == pytest.approx(200)
+    assert s["e2e"]["mean_ms"] == pytest.approx(1000)
+    assert s["goodput"] == 1 / 4  # only b met TTFT <= 300 ms
+    assert s["errors"] == ["HTTP 429: queue full"]
+    assert parse_slo("ttft=500,tpot=50") == {"ttft": 500.0, "tpot": 50.0}
+    with pytest.raises(InvalidParameterError):
+        parse_slo("ttft=fast")
+
+
+def test_serve_workload_has_the_mixed_shapes():
+    prompts, outputs = serve_workload(200)
+    assert len(prompts) == len(outputs) == 200
+    assert all(16 <= len(p) <= 512 for p in prompts) and all(16 <= n <= 256 for n in outputs)
+
+
+class _FakeOpenAI(BaseHTTPRequestHandler):
+    """Streams one chunk per requested token, like an OpenAI server, and counts requests."""
+
+    requests: list[dict] = []
+
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        body = json.dumps({"object": "list", "data": [{"id": "fake-model", "object": "model"}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self):
+        request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).requests.append(request)
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        n = request["max_tokens"]
+        for i in range(n):
+            chunk = {"choices": [{"index": 0, "text": f"t{i} ", "finish_reason": None}]}
+            self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            self.wfile.flush()
+        usage = {"choices": [], "usage": {"prompt_tokens": len(request["prompt"]), "completion_tokens": n}}
+        self.wfile.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+
+
+def test_client_against_a_streaming_server(capsys):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _FakeOpenAI)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        _FakeOpenAI.requests = []
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        code = main(["bench", "serve", "--base-url", url, "--num-requests", "12", "--max-concurrency", "4",
+                     "--request-rate", "50", "--no-progress", "--json", "--slo", "ttft=60000"])
+    finally:
+        server.shutdown()
+    assert code == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    prompts, outputs = serve_workload(12)
+    assert summary["completed"] == 12 and summary["failed"] == 0
+    assert summary["total_output_tokens"] == sum(outputs)
+    assert summary["goodput"] == pytest.approx(summary["request_throughput"])
+    sent = sorted((len(r["prompt"]), r["max_tokens"]) for r in _FakeOpenAI.requests)
+    assert sent == sorted(zip(map(len, prompts), outputs))
+    assert all(r["stream"] and r["model"] == "fake-model" and r["temperature"] == 0.0 for r in _FakeOpenAI.requests)
+
+
+def test_unreachable_server_counts_failures(capsys):
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = main(["bench", "serve", "--base-url", f"http://127.0.0.1:{port}", "--model", "m", "--num-requests", "3",
+                 "--no-progress", "--json"])
+    assert code == 1
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (summary["completed"], summary["failed"]) == (0, 3)
+    assert summary["errors"][0].startswith("ConnectError")
