@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	# Without a GPU, take the CPU build of torch first; the range in pyproject.toml keeps it.
 	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install --quiet torch==2.13.0; fi
-	$(PY) -m pip install --quiet -e '.[dev,pull]'
+	$(PY) -m pip install --quiet -e '.[dev,pull,plot]'
 	touch $(STAMP)
 
 # The HTTP server (`pagedserve serve`) arrives with issue #3; until then the main job is

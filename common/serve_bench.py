@@ -64,7 +64,7 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
-def _stats(values: Sequence[float]) -> dict[str, float]:
+def latency_stats(values: Sequence[float]) -> dict[str, float]:
     """mean, median and p99 in milliseconds."""
     if not values:
         return {"mean_ms": math.nan, "median_ms": math.nan, "p99_ms": math.nan}
@@ -100,10 +100,10 @@ def summarize(records: Sequence[RequestRecord], duration: float, slo_ms: dict[st
         "output_throughput": output_tokens / duration,
         "total_throughput": (prompt_tokens + output_tokens) / duration,
         "total_output_tokens": output_tokens,
-        "ttft": _stats([r.ttft for r in done]),
-        "tpot": _stats(tpots),
-        "itl": _stats(itls),
-        "e2e": _stats([r.e2e for r in done]),
+        "ttft": latency_stats([r.ttft for r in done]),
+        "tpot": latency_stats(tpots),
+        "itl": latency_stats(itls),
+        "e2e": latency_stats([r.e2e for r in done]),
         "goodput": len(good) / duration if slo_ms else None,
         "errors": sorted({r.error for r in records if r.error})[:5],
     }

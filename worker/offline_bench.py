@@ -17,6 +17,8 @@ import time
 import numpy as np
 import torch
 
+from pagedserve.common.serve_bench import latency_stats, percentile
+
 
 def workload(name: str, vocab_size: int) -> tuple[list[list[int]], list[int]]:
     """(prompts as token ids, output lengths) exactly as WORKLOADS.md defines them."""
@@ -43,7 +45,7 @@ def run_pagedserve(args, prompts, out_lens):
 
     kv_bytes = parse_bytes(args.kv_cache_memory) if args.kv_cache_memory else None
     llm = LLM(args.model, dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens,
-              max_num_seqs=args.max_num_seqs, enable_prefix_caching=not args.no_prefix_caching,
+              max_num_seqs=int(str(args.max_num_seqs).split(",")[0]), enable_prefix_caching=not args.no_prefix_caching,
               kv_cache_memory=kv_bytes)
     engine = llm.engine
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in out_lens]
@@ -71,8 +73,11 @@ def run_pagedserve(args, prompts, out_lens):
     elapsed = time.perf_counter() - t0
     del engine.model.forward, engine.runner.run
     extra = {"outside_forward_share": 1 - spent["forward"] / elapsed, "outside_runner_share": 1 - spent["runner"] / elapsed}
-    ttft = sorted(o.metrics.time_to_first_token for o in outs)
-    extra.update(ttft_mean=sum(ttft) / len(ttft), ttft_median=ttft[len(ttft) // 2], ttft_p99=ttft[int(0.99 * (len(ttft) - 1))],
+    ttft = [o.metrics.time_to_first_token for o in outs]
+    e2e = [o.metrics.finished_time - o.metrics.arrival_time for o in outs]
+    tpot = [(f - t) / (len(o.outputs[0].token_ids) - 1) for o, f, t in zip(outs, e2e, ttft) if len(o.outputs[0].token_ids) > 1]
+    extra.update(ttft_mean=sum(ttft) / len(ttft), ttft_median=percentile(ttft, 50), ttft_p99=percentile(ttft, 99),
+                 ttft=latency_stats(ttft), tpot=latency_stats(tpot), e2e=latency_stats(e2e),
                  cached_prompt_tokens=sum(o.num_cached_tokens for o in outs))
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     assert produced == sum(out_lens), (produced, sum(out_lens))
@@ -143,10 +148,22 @@ def run(args: argparse.Namespace) -> int:
     if args.workload == "shared-prefix":  # the point of this workload: caching on against off
         systems["pagedserve (no prefix cache)"] = lambda a, p, o: run_pagedserve(argparse.Namespace(**{**vars(a), "no_prefix_caching": True}), p, o)
         names.insert(1, "pagedserve (no prefix cache)")
+    sweep = [int(n) for n in str(args.max_num_seqs).split(",")]
+    if len(sweep) > 1:  # a concurrency sweep of pagedserve; peers run once
+        for n in sweep:
+            name = f"pagedserve max_num_seqs={n}"
+            systems[name] = lambda a, p, o, n=n: run_pagedserve(argparse.Namespace(**{**vars(a), "max_num_seqs": n}), p, o)
+        names = [f"pagedserve max_num_seqs={n}" for n in sweep] + names[1:]
     rows = []
     for name in names:
         elapsed, extra = systems[name](args, prompts, out_lens)
         rows.append({"system": name, "seconds": elapsed, "output_tok_s": num_out / elapsed, "total_tok_s": num_total / elapsed, **extra})
+    if args.plot:
+        from pagedserve.common.plots import plot_latency_curve
+
+        points = [{"label": r["system"].removeprefix("pagedserve "), "output_throughput": r["output_tok_s"], **r}
+                  for r in rows if "ttft" in r]
+        plot_latency_curve(points, args.plot, f"pagedserve bench offline: {args.workload}, {args.dtype}")
     base = rows[0]
     print(f"workload={args.workload} model={args.model} dtype={args.dtype} threads={args.threads} torch={torch.__version__}")
     print(f"{'system':30} {'seconds':>8} {'out tok/s':>10} {'total tok/s':>12} {'pagedserve x':>13} {'TTFT mean/median/p99 s':>24}")

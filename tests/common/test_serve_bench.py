@@ -107,6 +107,22 @@ def test_client_against_a_streaming_server(capsys):
     assert all(r["stream"] and r["model"] == "fake-model" and r["temperature"] == 0.0 for r in _FakeOpenAI.requests)
 
 
+def test_rate_sweep_with_plot(tmp_path, capsys):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _FakeOpenAI)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    plot = tmp_path / "serve.png"
+    try:
+        code = main(["bench", "serve", "--base-url", f"http://127.0.0.1:{server.server_address[1]}", "--num-requests", "6",
+                     "--request-rate", "100,inf", "--no-progress", "--json", "--plot", str(plot)])
+    finally:
+        server.shutdown()
+    assert code == 0
+    summaries = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [s["request_rate"] for s in summaries] == ["100", "inf"]
+    assert all(s["completed"] == 6 for s in summaries)
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_unreachable_server_counts_failures(capsys):
     import socket
 

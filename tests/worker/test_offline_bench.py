@@ -42,3 +42,15 @@ def test_bench_offline_shared_prefix_reports_cache_on_and_off(tmp_path, capsys):
     assert off["system"] == "pagedserve (no prefix cache)"
     # with the cache on, 63 requests take the 32 blocks of the 512-token prefix from it
     assert on["cached_prompt_tokens"] == 63 * 512 and off["cached_prompt_tokens"] == 0
+
+
+def test_concurrency_sweep_with_plot(tiny_checkpoint, tmp_path, capsys):
+    model = str(tiny_checkpoint("llama-gqa"))
+    plot = tmp_path / "offline.png"
+    assert main(["bench", "offline", "--model", model, "--workload", "fixed", "--max-num-seqs", "8,64",
+                 "--kv-cache-memory", "64MiB", "--json", "--plot", str(plot)]) == 0
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [r["system"] for r in rows] == ["pagedserve max_num_seqs=8", "pagedserve max_num_seqs=64"]
+    # at most 8 at once, the later requests wait for the first ones: a longer mean TTFT
+    assert rows[0]["ttft"]["mean_ms"] > rows[1]["ttft"]["mean_ms"]
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
