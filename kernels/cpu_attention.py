@@ -9,8 +9,11 @@ it cannot be built, the worker logs why and stays on the torch backend.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
 import logging
+import platform
 from pathlib import Path
 
 import torch
@@ -22,14 +25,27 @@ logger = logging.getLogger(__name__)
 _SOURCE = Path(__file__).parent / "csrc" / "cpu_paged_attention.cpp"
 
 
+def _build_name() -> str:
+    """Extension name keyed by source and CPU: -march=native code must never be loaded on
+    another kind of CPU sharing the same cache directory."""
+    cpu = platform.machine() + platform.processor()
+    with contextlib.suppress(OSError):
+        info = Path("/proc/cpuinfo").read_text()
+        cpu += next((line for line in info.splitlines() if line.startswith(("flags", "Features"))), "")
+        cpu += next((line for line in info.splitlines() if line.startswith("model name")), "")
+    digest = hashlib.sha256(cpu.encode() + _SOURCE.read_bytes()).hexdigest()[:12]
+    return f"pagedserve_cpu_attention_{digest}"
+
+
 @functools.cache
 def cpu_kernels():
     """The compiled extension module, or None when it cannot be built here."""
     try:
         from torch.utils.cpp_extension import load
 
+        logger.info("loading the CPU attention kernel (the first build takes about a minute)")
         return load(
-            name="pagedserve_cpu_attention",
+            name=_build_name(),
             sources=[str(_SOURCE)],
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
             extra_ldflags=["-fopenmp"],
