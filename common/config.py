@@ -35,8 +35,6 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise InvalidParameterError("block_size", f"must be a power of two, got {self.block_size}")
         if self.max_num_batched_tokens < 1:
             raise InvalidParameterError("max_num_batched_tokens", "must be >= 1")
-        if not self.enable_chunked_prefill and self.max_model_len and self.max_num_batched_tokens < self.max_model_len:
-            raise InvalidParameterError("max_num_batched_tokens", "without chunked prefill it must be >= max_model_len")
         if self.max_num_seqs < 1:
             raise InvalidParameterError("max_num_seqs", "must be >= 1")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

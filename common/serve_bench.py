@@ -123,8 +123,9 @@ def parse_slo(text: str | None) -> dict[str, float]:
     return out
 
 
-def serve_workload(num_requests: int = 200, vocab_size: int = 49152) -> tuple[list[list[int]], list[int]]:
-    """The `serve` workload: prompts and output lengths drawn as `mixed` draws them."""
+def mixed_workload(num_requests: int, vocab_size: int) -> tuple[list[list[int]], list[int]]:
+    """Prompt lengths uniform 16..512 (seed 0), then each prompt's ids, then output lengths
+    uniform 16..256 (seed 1): `mixed` is 64 of these, `serve` 200."""
     import numpy as np
 
     rng = np.random.default_rng(0)
@@ -132,6 +133,11 @@ def serve_workload(num_requests: int = 200, vocab_size: int = 49152) -> tuple[li
     prompts = [rng.integers(100, vocab_size - 100, size=int(n)).tolist() for n in lengths]
     outputs = np.random.default_rng(1).integers(16, 257, size=num_requests).tolist()
     return prompts, outputs
+
+
+def serve_workload(num_requests: int = 200, vocab_size: int = 49152) -> tuple[list[list[int]], list[int]]:
+    """The `serve` workload: prompts and output lengths drawn as `mixed` draws them."""
+    return mixed_workload(num_requests, vocab_size)
 
 
 async def _send(client, url: str, model: str, prompt: list[int], max_tokens: int, headers: dict) -> RequestRecord:

@@ -16,10 +16,8 @@ import logging
 import platform
 from pathlib import Path
 
-import torch
-
 from pagedserve.kernels.attention_backend import AttentionMetadata
-from pagedserve.kernels.torch_attention import TorchAttentionBackend, attend_prefills, write_kv
+from pagedserve.kernels.torch_attention import TorchAttentionBackend
 
 logger = logging.getLogger(__name__)
 _SOURCE = Path(__file__).parent / "csrc" / "cpu_paged_attention.cpp"
@@ -56,22 +54,16 @@ def cpu_kernels():
         return None
 
 
-def paged_decode_attention(query, kv_cache, block_tables, seq_lens, scale):
-    """query [n, heads, head_dim] of n one-token decodes → [n, heads, head_dim]."""
-    return cpu_kernels().paged_decode_attention(query, kv_cache[0], kv_cache[1], block_tables, seq_lens, scale)
-
-
 class CPUAttentionBackend(TorchAttentionBackend):
+    """The torch backend, with decodes in the C++ kernel (no block gather)."""
+
     name = "cpu"
 
     def prepare(self, metadata: AttentionMetadata, block_size: int) -> None:
         super().prepare(metadata, block_size, gather_decodes=False)
 
-    def forward(self, query, key, value, kv_cache, metadata, scale):
-        write_kv(key, value, kv_cache, metadata.slot_mapping)
-        nd = metadata.num_decodes
-        out = torch.empty_like(query)
-        if nd:
-            out[:nd] = paged_decode_attention(query[:nd], kv_cache, metadata.block_tables[:nd], metadata.seq_lens[:nd], scale)
-        attend_prefills(query, key, value, kv_cache, metadata.backend_state, scale, out)
-        return out
+    def attend_decodes(self, query, kv_cache, metadata, scale):
+        nd = query.shape[0]
+        return cpu_kernels().paged_decode_attention(
+            query, kv_cache[0], kv_cache[1], metadata.block_tables[:nd], metadata.seq_lens[:nd], scale
+        )

@@ -79,20 +79,23 @@ class TorchAttentionBackend(AttentionBackend):
         metadata.backend_state = _TorchPlan(decode_blocks, decode_mask, groups)
 
     def forward(self, query, key, value, kv_cache, metadata, scale):
-        plan: _TorchPlan = metadata.backend_state
-        num_kv_heads, head_dim = key.shape[1], key.shape[2]
         write_kv(key, value, kv_cache, metadata.slot_mapping)
         out = torch.empty_like(query)
         nd = metadata.num_decodes
         if nd:
-            # [nd, heads, 1, head_dim] against [nd, kv_heads, max_blocks * block_size, head_dim]
-            k = kv_cache[0].index_select(0, plan.decode_blocks).view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
-            v = kv_cache[1].index_select(0, plan.decode_blocks).view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
-            q = query[:nd].unsqueeze(2)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.decode_mask, scale=scale, enable_gqa=True)
-            out[:nd] = o.squeeze(2)
-        attend_prefills(query, key, value, kv_cache, plan, scale, out)
+            out[:nd] = self.attend_decodes(query[:nd], kv_cache, metadata, scale)
+        attend_prefills(query, key, value, kv_cache, metadata.backend_state, scale, out)
         return out
+
+    def attend_decodes(self, query, kv_cache, metadata, scale):
+        """query [nd, heads, head_dim] of the one-token decodes → [nd, heads, head_dim]."""
+        plan: _TorchPlan = metadata.backend_state
+        nd, num_kv_heads, head_dim = query.shape[0], kv_cache.shape[3], kv_cache.shape[4]
+        # [nd, heads, 1, head_dim] against [nd, kv_heads, max_blocks * block_size, head_dim]
+        k = kv_cache[0].index_select(0, plan.decode_blocks).view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
+        v = kv_cache[1].index_select(0, plan.decode_blocks).view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
+        o = F.scaled_dot_product_attention(query.unsqueeze(2), k, v, attn_mask=plan.decode_mask, scale=scale, enable_gqa=True)
+        return o.squeeze(2)
 
 
 def attend_prefills(query, key, value, kv_cache, plan: _TorchPlan, scale: float, out: torch.Tensor) -> None:

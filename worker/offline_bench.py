@@ -17,7 +17,7 @@ import time
 import numpy as np
 import torch
 
-from pagedserve.common.serve_bench import latency_stats, percentile
+from pagedserve.common.serve_bench import latency_stats, mixed_workload
 
 
 def workload(name: str, vocab_size: int) -> tuple[list[list[int]], list[int]]:
@@ -27,11 +27,7 @@ def workload(name: str, vocab_size: int) -> tuple[list[list[int]], list[int]]:
         prompts = [rng.integers(100, vocab_size - 100, size=128).tolist() for _ in range(64)]
         return prompts, [64] * 64
     if name == "mixed":
-        rng = np.random.default_rng(0)
-        lengths = rng.integers(16, 513, size=64)
-        prompts = [rng.integers(100, vocab_size - 100, size=int(n)).tolist() for n in lengths]
-        outputs = np.random.default_rng(1).integers(16, 257, size=64).tolist()
-        return prompts, outputs
+        return mixed_workload(64, vocab_size)
     if name == "shared-prefix":
         prefix = np.random.default_rng(2).integers(100, vocab_size - 100, size=512).tolist()
         prompts = [prefix + np.random.default_rng(3 + i).integers(100, vocab_size - 100, size=32).tolist() for i in range(64)]
@@ -76,8 +72,7 @@ def run_pagedserve(args, prompts, out_lens):
     ttft = [o.metrics.time_to_first_token for o in outs]
     e2e = [o.metrics.finished_time - o.metrics.arrival_time for o in outs]
     tpot = [(f - t) / (len(o.outputs[0].token_ids) - 1) for o, f, t in zip(outs, e2e, ttft) if len(o.outputs[0].token_ids) > 1]
-    extra.update(ttft_mean=sum(ttft) / len(ttft), ttft_median=percentile(ttft, 50), ttft_p99=percentile(ttft, 99),
-                 ttft=latency_stats(ttft), tpot=latency_stats(tpot), e2e=latency_stats(e2e),
+    extra.update(ttft=latency_stats(ttft), tpot=latency_stats(tpot), e2e=latency_stats(e2e),
                  cached_prompt_tokens=sum(o.num_cached_tokens for o in outs))
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     assert produced == sum(out_lens), (produced, sum(out_lens))
@@ -168,7 +163,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"workload={args.workload} model={args.model} dtype={args.dtype} threads={args.threads} torch={torch.__version__}")
     print(f"{'system':30} {'seconds':>8} {'out tok/s':>10} {'total tok/s':>12} {'pagedserve x':>13} {'TTFT mean/median/p99 s':>24}")
     for r in rows:
-        ttft = f"{r['ttft_mean']:.2f}/{r['ttft_median']:.2f}/{r['ttft_p99']:.2f}" if "ttft_mean" in r else "-"
+        t = r.get("ttft")
+        ttft = f"{t['mean_ms'] / 1000:.2f}/{t['median_ms'] / 1000:.2f}/{t['p99_ms'] / 1000:.2f}" if t else "-"
         print(f"{r['system']:30} {r['seconds']:8.1f} {r['output_tok_s']:10.1f} {r['total_tok_s']:12.1f} "
               f"{base['output_tok_s'] / r['output_tok_s']:13.2f} {ttft:>24}")
     print(f"pagedserve wall time outside the model forward: {base['outside_forward_share']:.1%} "

@@ -99,7 +99,7 @@ class FCFSScheduler(SchedulerPlugin):
                 budget -= num_new
 
         # Admit waiting requests only when nothing was preempted: blocks are short.
-        if not preempted:
+        if self.waiting and not preempted:
             admitted = []
             # Prompt blocks some request computes this step: a waiting request whose next
             # block is among them waits one step and then takes it from the prefix cache,
