@@ -7,7 +7,7 @@ import logging
 import sys
 
 from pagedserve.common.config import DEFAULT_MODEL
-from pagedserve.common.errors import PagedServeError
+from pagedserve.common.errors import InvalidParameterError, PagedServeError
 
 
 def _generate(args) -> int:
@@ -112,6 +112,43 @@ def _bench_serve(args) -> int:
     return 0 if all(s["failed"] == 0 for s in summaries) else 1
 
 
+def _service_configs(args):
+    from pagedserve.common import options
+    from pagedserve.common.config import EngineConfig, ServeConfig
+
+    config = options.build(ServeConfig, args)
+    logging.getLogger().setLevel(config.log_level.upper())
+    return config, options.build(EngineConfig, args)
+
+
+def _serve(args) -> int:
+    from pagedserve.common.launcher import serve
+
+    return serve(*_service_configs(args))
+
+
+def _require_redis_url(config) -> str:
+    if not config.redis_url:
+        raise InvalidParameterError("redis_url", "is required (--redis-url or PAGEDSERVE_REDIS_URL)")
+    return config.redis_url
+
+
+def _gateway(args) -> int:
+    from pagedserve.gateway.server import run_gateway
+
+    config, engine = _service_configs(args)
+    run_gateway(config, engine, _require_redis_url(config))
+    return 0
+
+
+def _worker(args) -> int:
+    from pagedserve.worker.service import run_worker
+
+    config, engine = _service_configs(args)
+    run_worker(config, engine, _require_redis_url(config))
+    return 0
+
+
 def _models_pull(args) -> int:
     from pagedserve.common.model_store import pull
 
@@ -165,6 +202,19 @@ def build_parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="chat with a model in the terminal, in this process")
     _add_engine_arguments(chat, max_tokens=256, temperature=0.7, top_p=0.9)
     chat.set_defaults(func=_chat)
+
+    from pagedserve.common import options
+    from pagedserve.common.config import EngineConfig, ServeConfig
+
+    for name, func, text in (
+        ("serve", _serve, "the OpenAI server: its own Redis (unless --redis-url), the workers and the gateway"),
+        ("gateway", _gateway, "only the HTTP gateway, against --redis-url"),
+        ("worker", _worker, "only a worker, against --redis-url"),
+    ):
+        service = sub.add_parser(name, help=text, description=text + ". Every flag also reads PAGEDSERVE_<FLAG>.")
+        options.add_arguments(service, ServeConfig)
+        options.add_arguments(service, EngineConfig)
+        service.set_defaults(func=func)
 
     pl = sub.add_parser("plan", help="KV-cache capacity: sequences that fit, and what paging saves")
     pl.add_argument("--model", required=True, help="a checkpoint directory or a config.json")

@@ -45,3 +45,36 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise InvalidParameterError("gpu_memory_utilization", "must be in (0, 1]")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise InvalidParameterError("kv_cache_memory", "must be > 0 bytes")
+
+
+class ServeConfig(msgspec.Struct, kw_only=True):
+    """The gateway, the queue and the workers: `pagedserve serve|gateway|worker` fill it from
+    flags, then `PAGEDSERVE_<FIELD>` environment variables, then these defaults."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    redis_url: str | None = None  # None: `serve` starts a Redis of its own
+    served_model_name: str | None = None  # the name clients ask for; None: the model's
+    api_keys_file: str | None = None  # lines "KEY TENANT" (or "KEY"); keys also from PAGEDSERVE_API_KEYS
+    max_queued_requests: int = 1024  # admitted but not yet taken by a worker; above: 429
+    max_queued_tokens: int = 1_048_576  # their prompt tokens; above: 429
+    max_prompt_tokens: int | None = None  # None: the context length
+    max_tokens_limit: int | None = None  # largest max_tokens a request may ask; None: context
+    max_body_bytes: int = 8 * 1024 * 1024  # larger bodies get 413
+    request_timeout: float = 600.0  # seconds from admission until a request ends with a timeout
+    heartbeat_interval: float = 1.0  # seconds between worker heartbeats
+    worker_timeout: float = 10.0  # a worker silent this long is dead; its requests move
+    max_attempts: int = 3  # deliveries of one request before it fails (its workers kept dying)
+    drain_timeout: float = 30.0  # on SIGTERM: seconds running requests get to finish
+    num_workers: int | None = None  # `serve`: None: one per GPU, or one on CPU
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        for name in ("max_queued_requests", "max_queued_tokens", "max_attempts", "max_body_bytes"):
+            if getattr(self, name) < 1:
+                raise InvalidParameterError(name, "must be >= 1")
+        for name in ("request_timeout", "heartbeat_interval", "worker_timeout", "drain_timeout"):
+            if getattr(self, name) <= 0:
+                raise InvalidParameterError(name, "must be > 0 seconds")
+        if self.worker_timeout <= 2 * self.heartbeat_interval:
+            raise InvalidParameterError("worker_timeout", "must be more than two heartbeat intervals")

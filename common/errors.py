@@ -55,3 +55,27 @@ class PluginError(PagedServeError):
 
     error_type = "invalid_request_error"
     code = "unknown_plugin"
+
+
+class AuthenticationError(PagedServeError):
+    """A missing or unknown API key, when the server has keys."""
+
+    error_type = "authentication_error"
+    code = "invalid_api_key"
+    status_code = 401
+
+
+class QueueFullError(PagedServeError):
+    """Admission refused: the queue holds as many requests or prompt tokens as it may."""
+
+    error_type = "rate_limit_error"
+    code = "queue_full"
+    status_code = 429
+
+
+class ServiceUnavailableError(PagedServeError):
+    """No live worker, Redis unreachable, or the server is shutting down."""
+
+    error_type = "server_error"
+    code = "service_unavailable"
+    status_code = 503

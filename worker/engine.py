@@ -64,6 +64,19 @@ class _UserRequest:
     first_token_time: float | None = None
 
 
+@dataclass(slots=True)
+class ResumedCompletion:
+    """What a client already has of one completion, when its request moves to another worker.
+
+    The engine continues from these tokens (recomputing their KV) instead of starting over,
+    so the client sees neither a repeated nor a missing token, sampled or greedy.
+    """
+
+    token_ids: list[int]  # generated tokens already sent
+    num_chars: int  # characters of text already sent
+    finish_reason: str | None = None  # set when this completion had already ended
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -152,8 +165,12 @@ class Engine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         cache_salt: str | None = None,
+        resume: list[ResumedCompletion] | None = None,
     ) -> None:
-        """Queue a request; raises a typed error (and queues nothing) on bad input."""
+        """Queue a request; raises a typed error (and queues nothing) on bad input.
+
+        `resume` (one entry per completion) continues a request another worker began.
+        """
         params = params or SamplingParams()
         params.validate(max_n=self.config.max_n)
         if request_id in self._requests:
@@ -171,9 +188,22 @@ class Engine:
         room = self.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
 
+        if resume is not None and len(resume) != params.n:
+            raise InvalidParameterError("resume", f"needs one entry per completion ({params.n})")
         user = _UserRequest(request_id, text, token_ids, [], [], arrival_time=time.monotonic())
         first: Request | None = None
         for index in range(params.n):
+            prior = resume[index] if resume is not None else None
+            completion = _Completion(
+                CompletionOutput(index=index, text="", token_ids=[], logprobs=[] if params.logprobs is not None else None),
+                IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens),
+                StopStringChecker(params.stop_strings),
+            )
+            user.completions.append(completion)
+            if prior is not None:
+                self._replay(completion, prior)
+                if prior.finish_reason is not None:
+                    continue  # nothing left to generate for this one
             seq_id = request_id if params.n == 1 else f"{request_id}#{index}"
             generator = None
             if params.seed is not None:
@@ -184,16 +214,28 @@ class Engine:
                 eos_token_ids=self.eos_token_ids, max_tokens=max_tokens, parent_id=request_id,
                 index=index, fork_from=first, generator=generator, cache_salt=cache_salt,
             )
+            if prior is not None:
+                # Resumed siblings differ past the prompt: the prefix cache shares what they can.
+                seq.fork_from = None
+                seq.token_ids.extend(prior.token_ids)
             first = first or seq
-            user.completions.append(_Completion(
-                CompletionOutput(index=index, text="", token_ids=[], logprobs=[] if params.logprobs is not None else None),
-                IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens),
-                StopStringChecker(params.stop_strings),
-            ))
             user.sequence_ids.append(seq_id)
             self._sequence_owner[seq_id] = (user, index)
             self.scheduler.add_request(seq)
+        assert user.sequence_ids, "every completion had already ended: nothing to resume"
         self._requests[request_id] = user
+
+    @staticmethod
+    def _replay(completion: _Completion, prior: ResumedCompletion) -> None:
+        """Bring a completion's text state to where the client is, emitting nothing."""
+        out = completion.output
+        for token in prior.token_ids:
+            out.token_ids.append(token)
+            out.text += completion.detokenizer.add(token)
+        if prior.finish_reason is not None:
+            out.text = out.text[: prior.num_chars]  # a stop string may have cut it
+            out.finish_reason = prior.finish_reason
+        completion.num_emitted_chars = prior.num_chars
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """End a request at once, wherever it is; its blocks go back to the pool."""

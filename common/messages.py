@@ -1,0 +1,143 @@
+"""What travels through Redis between gateway and workers: msgspec Structs as msgpack.
+
+    gateway ── QueuedRequest ──> pagedserve:requests ──> worker
+    worker  ── Chunk ──────────> pagedserve:out:{request_id} ──> gateway
+
+Both sides fold a request's chunks with the same `OutputLog`, so a worker that takes over a
+request from a dead one resumes from exactly what the client has been sent.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from pagedserve.common.outputs import Logprobs
+from pagedserve.common.sampling_params import SamplingParams
+
+
+class QueuedRequest(msgspec.Struct, kw_only=True):
+    """One prompt's request, tokenized and validated by the gateway."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams  # validated again on decode (SamplingParams.__post_init__)
+    cache_salt: str | None = None  # the tenant: requests with different salts share no KV block
+    deadline: float  # unix seconds: past it the request ends with a timeout error
+    enqueued_at: float  # unix seconds
+    traceparent: str | None = None  # W3C trace context of the gateway's span
+
+
+class WireError(msgspec.Struct, kw_only=True):
+    """An error the client must see, in OpenAI's terms."""
+
+    message: str
+    type: str = "server_error"
+    code: str | None = None
+    param: str | None = None
+    status_code: int = 500
+
+
+class ChoiceDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """New tokens of one completion; `start` is the index of the first of them."""
+
+    index: int  # which of the n completions
+    start: int  # completion-token index of token_ids[0]
+    token_ids: list[int] = []
+    text: str = ""  # the text these tokens add (may be empty: a partial character, a held stop)
+    logprobs: list[Logprobs] | None = None  # one per token, when asked
+    finish_reason: str | None = None  # "stop" | "length" on the completion's last chunk
+    stop_reason: str | int | None = None
+
+
+class Chunk(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One entry of a request's output stream (one per engine step that touched it)."""
+
+    attempt: int  # the delivery this comes from: 1, then 2, … after a worker died
+    deltas: list[ChoiceDelta] = []
+    claim: bool = False  # a worker takes the request over from here: older attempts are void
+    done: bool = False  # the final entry: every completion ended, or `error`
+    error: WireError | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (on `done`)
+
+
+class WorkerInfo(msgspec.Struct, kw_only=True):
+    """What a worker announces with each heartbeat."""
+
+    worker_id: str
+    model: str
+    max_model_len: int
+    pid: int
+    host: str
+    max_num_seqs: int
+
+
+class CompletionLog(msgspec.Struct, kw_only=True):
+    """What the client has been sent of one completion."""
+
+    token_ids: list[int] = []
+    num_chars: int = 0
+    finish_reason: str | None = None
+
+
+class OutputLog:
+    """The accepted content of a request's output stream.
+
+    Rules, the same for the gateway (what it sends) and a worker resuming (what it skips):
+    a chunk of an attempt older than the newest seen is void; a delta is taken only if it
+    starts exactly where its completion stands and that completion has not ended.
+    """
+
+    def __init__(self, n: int):
+        self.attempt = 0
+        self.completions = [CompletionLog() for _ in range(n)]
+        self.done = False
+        self.error: WireError | None = None
+        self.num_cached_tokens = 0
+
+    def apply(self, chunk: Chunk) -> list[ChoiceDelta]:
+        """Fold one chunk in; returns the deltas that are new to the client."""
+        if self.done or chunk.attempt < self.attempt:
+            return []
+        self.attempt = chunk.attempt
+        accepted = []
+        for delta in chunk.deltas:
+            if not 0 <= delta.index < len(self.completions):
+                continue
+            log = self.completions[delta.index]
+            if log.finish_reason is not None or delta.start != len(log.token_ids):
+                continue
+            log.token_ids.extend(delta.token_ids)
+            log.num_chars += len(delta.text)
+            log.finish_reason = delta.finish_reason
+            accepted.append(delta)
+        if chunk.done:
+            self.done = True
+            self.error = chunk.error
+            self.num_cached_tokens = chunk.num_cached_tokens
+        return accepted
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.completions)
+
+
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(QueuedRequest)
+_chunk_decoder = msgspec.msgpack.Decoder(Chunk)
+_info_decoder = msgspec.msgpack.Decoder(WorkerInfo)
+
+
+def encode(message: msgspec.Struct) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode_request(data: bytes) -> QueuedRequest:
+    return _request_decoder.decode(data)
+
+
+def decode_chunk(data: bytes) -> Chunk:
+    return _chunk_decoder.decode(data)
+
+
+def decode_worker_info(data: bytes) -> WorkerInfo:
+    return _info_decoder.decode(data)

@@ -1,0 +1,102 @@
+"""The Redis queue between gateway and workers: key names and the scripts that keep it
+consistent. The gateway uses them through redis.asyncio, the worker through redis.
+
+    pagedserve:requests            stream of QueuedRequest; consumer group "workers"
+    pagedserve:queued              requests admitted and not yet pulled by a worker
+    pagedserve:queued_tokens       their prompt tokens
+    pagedserve:out:{request_id}    stream of Chunk, read by the gateway that admitted it
+    pagedserve:workers             sorted set: worker id → heartbeat expiry (unix seconds)
+    pagedserve:worker:{worker_id}  WorkerInfo, expiring with the heartbeat
+    pagedserve:cancel              pub/sub channel of request ids to abort
+    pagedserve:cancelled:{id}      set when a request was cancelled before a worker took it
+"""
+
+from __future__ import annotations
+
+REQUESTS = "pagedserve:requests"
+GROUP = "workers"
+QUEUED = "pagedserve:queued"
+QUEUED_TOKENS = "pagedserve:queued_tokens"
+WORKERS = "pagedserve:workers"
+CANCEL_CHANNEL = "pagedserve:cancel"
+#: how long a finished or abandoned output stream is kept (seconds)
+OUTPUT_TTL = 600
+
+
+def output_key(request_id: str) -> str:
+    return f"pagedserve:out:{request_id}"
+
+
+def cancelled_key(request_id: str) -> str:
+    return f"pagedserve:cancelled:{request_id}"
+
+
+def worker_key(worker_id: str) -> str:
+    return f"pagedserve:worker:{worker_id}"
+
+
+#: Admission: one atomic "is there a live worker and room in the queue? then XADD".
+#: KEYS: requests, queued, queued_tokens, workers. ARGV: max_queued, max_queued_tokens,
+#: prompt tokens, message. Returns {1, entry id}, {0, "full"} or {0, "no_worker"}.
+#: A single request larger than the token bound is let in when the queue is empty, or it
+#: could never run; the gateway bounds prompt sizes on its own.
+ADMIT = """
+local now = redis.call('TIME')
+if redis.call('ZCOUNT', KEYS[4], now[1], '+inf') == 0 then return {0, 'no_worker'} end
+local queued = tonumber(redis.call('GET', KEYS[2]) or '0')
+local tokens = tonumber(redis.call('GET', KEYS[3]) or '0')
+local n = tonumber(ARGV[3])
+if queued >= tonumber(ARGV[1]) or (queued > 0 and tokens + n > tonumber(ARGV[2])) then
+  return {0, 'full'}
+end
+redis.call('INCR', KEYS[2])
+redis.call('INCRBY', KEYS[3], n)
+return {1, redis.call('XADD', KEYS[1], '*', 'm', ARGV[4], 't', ARGV[3])}
+"""
+
+#: A worker took requests: count them out of the queue. KEYS: queued, queued_tokens.
+#: ARGV: number of requests, their prompt tokens. Never below zero (a Redis restart resets).
+TAKEN = """
+for i = 1, 2 do
+  local v = redis.call('DECRBY', KEYS[i], ARGV[i])
+  if v < 0 then redis.call('SET', KEYS[i], 0) end
+end
+return 1
+"""
+
+#: Final outcome: acknowledge and delete the entry, but only while this worker owns it
+#: (a worker wrongly thought dead must not ack what another worker now runs).
+#: KEYS: requests. ARGV: group, consumer, entry id. Returns 1 if acknowledged.
+ACK_IF_OWNER = """
+local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
+if p[1] == nil or p[1][2] ~= ARGV[2] then return 0 end
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
+redis.call('XDEL', KEYS[1], ARGV[3])
+return 1
+"""
+
+#: Heartbeat: announce the worker, and touch every entry it runs (XCLAIM JUSTID to itself
+#: resets the idle time without counting a delivery) so XAUTOCLAIM only ever takes entries
+#: of workers that stopped beating. Entries another worker has taken are returned: the
+#: caller aborts them. Entries gone from the queue (Redis restarted empty) are not: their
+#: worker keeps writing their output, which the gateway still reads. KEYS: requests, workers, worker info key. ARGV: group, consumer,
+#: ttl seconds, info, entry ids...
+HEARTBEAT = """
+local now = redis.call('TIME')
+local ttl = tonumber(ARGV[3])
+redis.call('ZADD', KEYS[2], tonumber(now[1]) + ttl, ARGV[2])
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', tonumber(now[1]) - 3600)
+redis.call('SET', KEYS[3], ARGV[4], 'EX', ttl)
+local lost = {}
+for i = 5, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if p[1] ~= nil then
+    if p[1][2] == ARGV[2] then
+      redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
+    else
+      table.insert(lost, ARGV[i])
+    end
+  end
+end
+return lost
+"""

@@ -1,0 +1,149 @@
+"""The OpenAI request bodies the gateway accepts, and how they become `SamplingParams`.
+
+Fields follow OpenAI's API; `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`,
+`min_tokens`, `stop_token_ids` and `skip_special_tokens` are the extras vLLM users expect.
+Unknown fields are ignored (clients send many); fields we cannot honour are refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from pagedserve.common.errors import InvalidParameterError
+from pagedserve.common.sampling_params import SamplingParams
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    include_usage: bool = False
+
+
+class _SamplingFields(msgspec.Struct, kw_only=True):
+    """What completions and chat share."""
+
+    model: str
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # extras
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        if self.logit_bias:
+            raise InvalidParameterError("logit_bias", "is not supported")
+        return SamplingParams(
+            n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k, min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, seed=self.seed, max_tokens=max_tokens,
+            min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_SamplingFields, kw_only=True):
+    """POST /v1/completions"""
+
+    prompt: str | list[Any]  # a string, strings, token ids, or lists of token ids
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def sampling_params(self) -> SamplingParams:
+        if self.echo:
+            raise InvalidParameterError("echo", "is not supported")
+        if self.suffix:
+            raise InvalidParameterError("suffix", "is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise InvalidParameterError("best_of", "is not supported (other than equal to n)")
+        return self._sampling_params(self.max_tokens, self.logprobs)
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, each a string or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise InvalidParameterError("prompt", "must not be empty")
+        if all(_is_token(t) for t in p):
+            return [list(p)]
+        if all(isinstance(t, str) for t in p):
+            return list(p)
+        if all(isinstance(t, list) and t and all(_is_token(x) for x in t) for t in p):
+            return [list(t) for t in p]
+        raise InvalidParameterError("prompt", "must be a string, a list of strings, a list of token ids, or a list of lists of token ids")
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+    def as_template_input(self, i: int) -> dict[str, Any]:
+        content = self.content
+        if isinstance(content, list):  # content parts: text only
+            texts = []
+            for part in content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise InvalidParameterError(f"messages[{i}].content", "only text content parts are supported")
+                texts.append(part["text"])
+            content = "".join(texts)
+        message = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class ChatCompletionRequest(_SamplingFields, kw_only=True):
+    """POST /v1/chat/completions"""
+
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+
+    def sampling_params(self) -> SamplingParams:
+        if self.tools:
+            raise InvalidParameterError("tools", "tool calls are not supported")
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            raise InvalidParameterError("response_format", "only {'type': 'text'} is supported")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidParameterError("top_logprobs", "needs logprobs: true")
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling_params(max_tokens, logprobs)
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        if not self.messages:
+            raise InvalidParameterError("messages", "must not be empty")
+        return [m.as_template_input(i) for i, m in enumerate(self.messages)]
+
+
+def _is_token(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,0 +1,121 @@
+"""`QueueClient`: the gateway's side of the Redis queue (admission, outputs, cancellation)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from pagedserve.common import queue as q
+from pagedserve.common.config import ServeConfig
+from pagedserve.common.errors import QueueFullError, ServiceUnavailableError
+from pagedserve.common.messages import (
+    ChoiceDelta,
+    OutputLog,
+    QueuedRequest,
+    WorkerInfo,
+    decode_chunk,
+    decode_worker_info,
+    encode,
+)
+
+logger = logging.getLogger(__name__)
+
+#: how long one XREAD blocks before the reader looks at deadlines and drain again
+_READ_BLOCK_MS = 500
+
+
+class QueueClient:
+    def __init__(self, redis_url: str, config: ServeConfig):
+        self.config = config
+        # Every streaming request holds one connection while it blocks on its output.
+        pool = aioredis.BlockingConnectionPool.from_url(redis_url, max_connections=4096, timeout=10,
+                                                        socket_connect_timeout=2)
+        self.redis = aioredis.Redis(connection_pool=pool)
+        self._admit = self.redis.register_script(q.ADMIT)
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+    async def ping(self) -> bool:
+        try:
+            return bool(await self.redis.ping())
+        except RedisError:
+            return False
+
+    async def live_workers(self) -> list[WorkerInfo]:
+        now = int(time.time())
+        ids = await self.redis.zrangebyscore(q.WORKERS, now, "+inf")
+        if not ids:
+            return []
+        infos = await self.redis.mget([q.worker_key(i.decode()) for i in ids])
+        return [decode_worker_info(x) for x in infos if x]
+
+    async def submit(self, request: QueuedRequest) -> None:
+        """Admit into the queue, or raise QueueFullError / ServiceUnavailableError."""
+        num_tokens = len(request.prompt_token_ids)
+        args = [self.config.max_queued_requests, self.config.max_queued_tokens, num_tokens, encode(request)]
+        try:
+            admitted, detail = await self._admit(keys=[q.REQUESTS, q.QUEUED, q.QUEUED_TOKENS, q.WORKERS], args=args)
+        except (RedisConnectionError, RedisTimeoutError) as exc:
+            raise ServiceUnavailableError(f"the queue is unreachable: {exc}") from None
+        if admitted:
+            return
+        if detail == b"no_worker":
+            raise ServiceUnavailableError("no worker is serving this model right now; try again shortly")
+        raise QueueFullError(
+            f"the queue is full ({self.config.max_queued_requests} requests or "
+            f"{self.config.max_queued_tokens} prompt tokens); retry later"
+        )
+
+    async def ensure_group(self) -> None:
+        try:
+            await self.redis.xgroup_create(q.REQUESTS, q.GROUP, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    async def outputs(self, request_id: str, n: int, deadline: float) -> AsyncIterator[tuple[list[ChoiceDelta], OutputLog]]:
+        """The request's new deltas as they arrive, until its final outcome.
+
+        Survives Redis going away for a while (the worker keeps its output until it can
+        write it); raises TimeoutError past the deadline.
+        """
+        key = q.output_key(request_id)
+        log = OutputLog(n)
+        last_id = "0-0"
+        while not log.done:
+            if time.time() > deadline:
+                raise TimeoutError(request_id)
+            try:
+                reply = await self.redis.xread({key: last_id}, count=256, block=_READ_BLOCK_MS)
+            except (RedisConnectionError, RedisTimeoutError) as exc:
+                logger.warning("reading %s: redis unavailable (%s)", key, exc)
+                await asyncio.sleep(0.5)
+                continue
+            for _, entries in reply or []:
+                for entry_id, fields in entries:
+                    last_id = entry_id
+                    accepted = log.apply(decode_chunk(fields[b"c"]))
+                    if accepted or log.done:
+                        yield accepted, log
+        with contextlib.suppress(RedisError):  # it expires anyway
+            await self.redis.unlink(key)
+
+    async def cancel(self, request_id: str) -> None:
+        """Abort a request wherever it is: queued (flag) or running (pub/sub to workers)."""
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.set(q.cancelled_key(request_id), 1, ex=q.OUTPUT_TTL)
+                pipe.publish(q.CANCEL_CHANNEL, request_id)
+                pipe.unlink(q.output_key(request_id))
+                await pipe.execute()
+        except RedisError as exc:
+            logger.warning("could not cancel %s: %s", request_id, exc)

@@ -1,0 +1,46 @@
+"""Run the gateway under uvicorn, draining on SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import uvicorn
+
+from pagedserve.common.config import EngineConfig, ServeConfig
+from pagedserve.common.model_store import resolve_model
+from pagedserve.gateway.app import create_app
+from pagedserve.gateway.auth import parse_api_keys
+from pagedserve.gateway.tokenizer import PromptTokenizer
+
+
+def build_gateway(config: ServeConfig, engine: EngineConfig, redis_url: str):
+    """The Litestar app for this model: its tokenizer, names and context length."""
+    model_dir = Path(resolve_model(engine.model))
+    model_config = json.loads((model_dir / "config.json").read_text())
+    max_len = model_config.get("max_position_embeddings") or 2048
+    if engine.max_model_len:
+        max_len = min(max_len, engine.max_model_len)
+    names = tuple(dict.fromkeys(n for n in (config.served_model_name, engine.model) if n))
+    keys = parse_api_keys(config.api_keys_file, os.environ.get("PAGEDSERVE_API_KEYS"))
+    return create_app(config, redis_url, PromptTokenizer(model_dir), names, max_len, keys)
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn stops accepting on a signal; the app also learns it, to end streams in time."""
+
+    def __init__(self, config: uvicorn.Config, app):
+        super().__init__(config)
+        self._app = app
+
+    def handle_exit(self, sig, frame) -> None:
+        self._app.state.gateway.begin_drain()
+        super().handle_exit(sig, frame)
+
+
+def run_gateway(config: ServeConfig, engine: EngineConfig, redis_url: str) -> None:
+    app = build_gateway(config, engine, redis_url)
+    uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
+                               timeout_graceful_shutdown=int(config.drain_timeout) + 5, access_log=False)
+    _DrainingServer(uv_config, app).run()
