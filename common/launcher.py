@@ -36,6 +36,9 @@ def count_gpus() -> int:
 def start_workers(config: ServeConfig, engine: EngineConfig, redis_url: str) -> list[subprocess.Popen]:
     num_gpus = count_gpus() if engine.device in ("auto", "cuda") else 0
     count = config.num_workers or max(1, num_gpus)
+    if not num_gpus and engine.num_threads is None:
+        # CPU workers share the cores instead of each taking all of them.
+        engine = msgspec.structs.replace(engine, num_threads=max(1, (os.cpu_count() or 1) // count))
     flags = options.to_flags(msgspec.structs.replace(config, redis_url=redis_url)) + options.to_flags(engine)
     procs = []
     for i in range(count):
@@ -46,16 +49,16 @@ def start_workers(config: ServeConfig, engine: EngineConfig, redis_url: str) -> 
     return procs
 
 
-def wait_for_worker(redis_url: str, procs: list[subprocess.Popen], timeout: float = 600.0) -> None:
-    """Until one worker beats; fails if every worker process has exited."""
+def wait_for_workers(redis_url: str, procs: list[subprocess.Popen], timeout: float = 600.0) -> None:
+    """Until every worker beats; fails if one of them exits while loading."""
     client = redis.Redis.from_url(redis_url)
     deadline = time.monotonic() + timeout
     try:
         while time.monotonic() < deadline:
-            if client.zcount(q.WORKERS, int(time.time()), "+inf") > 0:
+            if client.zcount(q.WORKERS, int(time.time()), "+inf") >= len(procs):
                 return
-            if all(p.poll() is not None for p in procs):
-                raise RuntimeError("every worker exited while loading; see the log above")
+            if any(p.poll() is not None for p in procs):
+                raise RuntimeError("a worker exited while loading; see the log above")
             time.sleep(0.2)
         raise RuntimeError(f"no worker was ready within {timeout:g} s")
     finally:
@@ -88,7 +91,7 @@ def serve(config: ServeConfig, engine: EngineConfig) -> int:
     try:
         procs = start_workers(config, engine, redis_url)
         logger.info("loading %s in %d worker(s)…", engine.model, len(procs))
-        wait_for_worker(redis_url, procs)
+        wait_for_workers(redis_url, procs)
         print(f"pagedserve: serving {engine.model} on http://{config.host}:{config.port}/v1 "
               f"({len(procs)} worker(s), redis {redis_url})", flush=True)
         run_gateway(config, engine, redis_url)

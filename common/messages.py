@@ -69,6 +69,12 @@ class WorkerInfo(msgspec.Struct, kw_only=True):
     pid: int
     host: str
     max_num_seqs: int
+    # load, as of the heartbeat
+    num_running: int = 0  # requests in the engine
+    num_free_blocks: int = 0  # KV blocks not held by a running request
+    num_blocks: int = 0
+    num_cancelled: int = 0  # requests aborted because their client went away, since start
+    num_taken_over: int = 0  # requests this worker resumed after another worker died
 
 
 class CompletionLog(msgspec.Struct, kw_only=True):

@@ -160,6 +160,9 @@ async def _send(client, url: str, model: str, prompt: list[int], max_tokens: int
                 if data == "[DONE]":
                     break
                 event = json.loads(data)
+                if "error" in event:  # an error after the stream began
+                    record.error = str(event["error"].get("message", event["error"]))
+                    return record
                 if event.get("choices") and event["choices"][0].get("text"):
                     record.chunk_times.append(time.perf_counter())
                     chunks_with_text += 1

@@ -12,16 +12,20 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from functools import partial
+from typing import Annotated, Any
 
 from litestar import Litestar, Request, Response, get, post
 from litestar.datastructures import State
+from litestar.enums import RequestEncodingType
 from litestar.exceptions import HTTPException, ValidationException
 from litestar.openapi import OpenAPIConfig
+from litestar.params import Body
 from litestar.response import Stream
 
 from pagedserve.common.config import ServeConfig
@@ -37,11 +41,13 @@ from pagedserve.common.messages import ChoiceDelta, OutputLog, QueuedRequest, Wi
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.gateway.auth import tenant_for
 from pagedserve.gateway.protocol import ChatCompletionRequest, CompletionRequest
-from pagedserve.gateway.queue_client import QueueClient
+from pagedserve.gateway.queue_client import QueueClient, ShuttingDown
 from pagedserve.gateway.responses import ResponseBuilder
 from pagedserve.gateway.tokenizer import PromptTokenizer
 
 logger = logging.getLogger(__name__)
+
+_JSON = Body(media_type=RequestEncodingType.JSON)
 
 
 @dataclass(slots=True)
@@ -86,6 +92,11 @@ def _validation_error(_: Request, exc: ValidationException) -> Response:
     first = extra[0] if extra and isinstance(extra[0], dict) else {}
     param = first.get("key") or None
     message = first.get("message") or exc.detail
+    missing = re.search(r"missing required field `([^`]+)`", message)
+    if missing:
+        param = missing.group(1)
+    elif param == "data":  # the body as a whole
+        param = None
     if param:
         message = f"{param}: {message}"
     return error_response(400, message, "invalid_request_error", "invalid_parameter", param)
@@ -172,15 +183,16 @@ async def _admit(state: GatewayState, request: Request, prompts: list[list[int]]
 async def _merged_outputs(state: GatewayState, queued: list[QueuedRequest]) -> AsyncIterator[tuple[int, list[ChoiceDelta], OutputLog]]:
     """(prompt index, new deltas, that prompt's log) across every prompt, as they come."""
     n = queued[0].params.n
+    give_up = partial(_drain_expired, state)
     if len(queued) == 1:
-        async for deltas, log in state.queue.outputs(queued[0].request_id, n, queued[0].deadline):
+        async for deltas, log in state.queue.outputs(queued[0].request_id, n, queued[0].deadline, give_up):
             yield 0, deltas, log
         return
     inbox: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, qr: QueuedRequest) -> None:
         try:
-            async for deltas, log in state.queue.outputs(qr.request_id, n, qr.deadline):
+            async for deltas, log in state.queue.outputs(qr.request_id, n, qr.deadline, give_up):
                 await inbox.put((i, deltas, log, None))
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer
             await inbox.put((i, [], None, exc))
@@ -204,33 +216,11 @@ def _drain_expired(state: GatewayState) -> bool:
     return state.drain_deadline is not None and time.monotonic() >= state.drain_deadline
 
 
-async def _events(state: GatewayState, queued: list[QueuedRequest]) -> AsyncIterator[tuple[int, list[ChoiceDelta], OutputLog]]:
-    """The merged outputs, ended by the request timeout or the end of a drain."""
-    outputs = _merged_outputs(state, queued)
-    try:
-        while True:
-            if _drain_expired(state):
-                raise _ShutDown()
-            try:
-                item = await asyncio.wait_for(anext(outputs), timeout=1.0)
-            except StopAsyncIteration:
-                return
-            except asyncio.TimeoutError:
-                continue
-            yield item
-    finally:
-        await outputs.aclose()
-
-
-class _ShutDown(Exception):
-    pass
-
-
 def _wire_error_of(exc: BaseException, config: ServeConfig) -> WireError:
     if isinstance(exc, TimeoutError):
         return WireError(message=f"the request did not finish within the {config.request_timeout:g} s request timeout",
                          type="timeout_error", code="request_timeout", status_code=504)
-    if isinstance(exc, _ShutDown):
+    if isinstance(exc, ShuttingDown):
         return WireError(message="the server shut down before this request finished", type="server_error",
                          code="shutting_down", status_code=503)
     logger.exception("reading outputs failed", exc_info=exc)
@@ -249,7 +239,7 @@ async def _serve(state: GatewayState, request: Request, body, prompts: list[list
                  builder: ResponseBuilder) -> Response | Stream:
     queued = await _admit(state, request, prompts, params)
     builder.prompt_lengths = [len(p) for p in prompts]
-    events = _events(state, queued)
+    events = _merged_outputs(state, queued)
 
     def cancel_all() -> None:
         for qr in queued:
@@ -271,11 +261,10 @@ async def _serve(state: GatewayState, request: Request, body, prompts: list[list
     finally:
         gone.cancel()
     if not work.done():
-        work.cancel()
-        with contextlib.suppress(BaseException):
-            await work
-        await events.aclose()
+        # Cancel first: unwinding the reader (a blocked XREAD) may take a while.
+        logger.info("client of %s went away before the answer; cancelling", queued[0].request_id)
         cancel_all()
+        work.cancel()
         return Response(content=b"", status_code=499)  # nobody reads it
     if work.exception() is not None:
         await events.aclose()
@@ -302,21 +291,21 @@ async def _serve(state: GatewayState, request: Request, body, prompts: list[list
                 finished = True
             for chunk in builder.stream_end():
                 yield chunk
-        except (TimeoutError, _ShutDown) as exc:  # tell the client, then [DONE]
+        except (TimeoutError, ShuttingDown) as exc:  # tell the client, then [DONE]
             finished = True
             cancel_all()
             yield builder.error_event(_wire_error_of(exc, state.config))
             yield b"data: [DONE]\n\n"
         finally:
-            await events.aclose()
             if not finished:  # the client went away mid-stream
                 cancel_all()
+            await events.aclose()
 
     return Stream(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-@post("/v1/completions", summary="Create a completion (OpenAI)")
-async def create_completion(request: Request, data: CompletionRequest) -> Response | Stream:
+@post("/v1/completions", status_code=200, summary="Create a completion (OpenAI)")
+async def create_completion(request: Request, data: Annotated[CompletionRequest, _JSON]) -> Response | Stream:
     state = _state(request)
     _authenticate(state, request)
     _check_model(state, data.model)
@@ -326,8 +315,8 @@ async def create_completion(request: Request, data: CompletionRequest) -> Respon
     return await _serve(state, request, data, prompts, params, builder)
 
 
-@post("/v1/chat/completions", summary="Create a chat completion (OpenAI)")
-async def create_chat_completion(request: Request, data: ChatCompletionRequest) -> Response | Stream:
+@post("/v1/chat/completions", status_code=200, summary="Create a chat completion (OpenAI)")
+async def create_chat_completion(request: Request, data: Annotated[ChatCompletionRequest, _JSON]) -> Response | Stream:
     state = _state(request)
     _authenticate(state, request)
     _check_model(state, data.model)

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -30,6 +30,10 @@ logger = logging.getLogger(__name__)
 
 #: how long one XREAD blocks before the reader looks at deadlines and drain again
 _READ_BLOCK_MS = 500
+
+
+class ShuttingDown(Exception):
+    """The gateway's drain time ran out before the request finished."""
 
 
 class QueueClient:
@@ -82,11 +86,12 @@ class QueueClient:
             if "BUSYGROUP" not in str(exc):
                 raise
 
-    async def outputs(self, request_id: str, n: int, deadline: float) -> AsyncIterator[tuple[list[ChoiceDelta], OutputLog]]:
+    async def outputs(self, request_id: str, n: int, deadline: float,
+                      give_up: Callable[[], bool] = lambda: False) -> AsyncIterator[tuple[list[ChoiceDelta], OutputLog]]:
         """The request's new deltas as they arrive, until its final outcome.
 
         Survives Redis going away for a while (the worker keeps its output until it can
-        write it); raises TimeoutError past the deadline.
+        write it); raises TimeoutError past the deadline and ShuttingDown once `give_up()`.
         """
         key = q.output_key(request_id)
         log = OutputLog(n)
@@ -94,6 +99,8 @@ class QueueClient:
         while not log.done:
             if time.time() > deadline:
                 raise TimeoutError(request_id)
+            if give_up():
+                raise ShuttingDown(request_id)
             try:
                 reply = await self.redis.xread({key: last_id}, count=256, block=_READ_BLOCK_MS)
             except (RedisConnectionError, RedisTimeoutError) as exc:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 from pathlib import Path
 
 import uvicorn
@@ -43,4 +45,12 @@ def run_gateway(config: ServeConfig, engine: EngineConfig, redis_url: str) -> No
     app = build_gateway(config, engine, redis_url)
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                                timeout_graceful_shutdown=int(config.drain_timeout) + 5, access_log=False)
-    _DrainingServer(uv_config, app).run()
+    # uvicorn re-raises the signal that stopped it once it is done: make SIGTERM an exit the
+    # caller's cleanup (workers, Redis) still runs after, like Ctrl-C.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    with contextlib.suppress(KeyboardInterrupt):
+        _DrainingServer(uv_config, app).run()
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(0)

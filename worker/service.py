@@ -57,7 +57,7 @@ class _Running:
     request: QueuedRequest
     attempt: int  # delivery count: 1 unless another worker died with it
     sent_tokens: list[int]  # per completion: tokens already in the output stream
-    sent_logprobs: list[int]  # per completion: logprobs entries already sent
+    sent_logprobs: list[int]  # per completion: entries of the engine's logprobs list already sent
     ended: list[bool]  # per completion: its finish_reason was sent
     output_key: str = field(init=False)
 
@@ -87,11 +87,8 @@ class WorkerService:
         self._drain_deadline: float | None = None
         self._next_reclaim = 0.0
         self._pubsub = None
-        info = WorkerInfo(
-            worker_id=self.worker_id, model=engine.config.model, max_model_len=engine.max_model_len,
-            pid=os.getpid(), host=socket.gethostname(), max_num_seqs=engine.config.max_num_seqs,
-        )
-        self._info = encode(info)
+        self.num_cancelled = 0
+        self.num_taken_over = 0
 
     # -- lifecycle -------------------------------------------------------------------------
     def run(self) -> None:
@@ -249,6 +246,7 @@ class WorkerService:
                                      param=exc.param, status_code=exc.status_code), started=False)
             return
         self.running[request.request_id] = run
+        self.num_taken_over += attempt > 1
         self._owned = tuple(r.entry_id for r in self.running.values())
 
     def _resume_state(self, run: _Running) -> list[ResumedCompletion] | None:
@@ -262,7 +260,7 @@ class WorkerService:
             self._acks.append(run.entry_id)
             return None
         for i, c in enumerate(log.completions):
-            run.sent_tokens[i] = run.sent_logprobs[i] = len(c.token_ids)
+            run.sent_tokens[i] = len(c.token_ids)  # the engine's logprobs start after them
             run.ended[i] = c.finish_reason is not None
         if all(run.ended):
             self._end(run, None, started=False)
@@ -278,6 +276,7 @@ class WorkerService:
             run = self.running.get(message["data"].decode())
             if run is not None:
                 logger.info("request %s cancelled by its client", run.request.request_id)
+                self.num_cancelled += 1
                 self._forget(run)
                 self._acks.append(run.entry_id)
                 self._outbox.append((run.output_key, b""))  # deletes the output stream
@@ -362,13 +361,22 @@ class WorkerService:
                 logger.error("redis write failed: %s", result)
 
     # -- heartbeat ---------------------------------------------------------------------------
+    def info(self) -> WorkerInfo:
+        pool = self.engine.kv_manager.pool
+        return WorkerInfo(
+            worker_id=self.worker_id, model=self.engine.config.model, max_model_len=self.engine.max_model_len,
+            pid=os.getpid(), host=socket.gethostname(), max_num_seqs=self.engine.config.max_num_seqs,
+            num_running=len(self.running), num_free_blocks=pool.num_free_blocks, num_blocks=pool.num_blocks,
+            num_cancelled=self.num_cancelled, num_taken_over=self.num_taken_over,
+        )
+
     def _heartbeat_loop(self) -> None:
         ttl = max(1, int(round(self.config.worker_timeout)))
         while not self._stop.is_set():
             owned = self._owned
             try:
                 lost = self._heartbeat_script(keys=[q.REQUESTS, q.WORKERS, q.worker_key(self.worker_id)],
-                                              args=[q.GROUP, self.worker_id, ttl, self._info, *owned])
+                                              args=[q.GROUP, self.worker_id, ttl, encode(self.info()), *owned])
                 for entry_id in lost:
                     self._lost.put(entry_id.decode())
             except redis.ResponseError as exc:

@@ -1,0 +1,145 @@
+"""The gateway without workers: admission bounds, 503 with no live worker, and the context
+check, against a real Redis the test owns (no model weights, no torch in the gateway)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from litestar.testing import TestClient
+
+from pagedserve.common import queue as q
+from pagedserve.common.config import ServeConfig
+from pagedserve.common.errors import QueueFullError, ServiceUnavailableError
+from pagedserve.common.messages import QueuedRequest, decode_request
+from pagedserve.common.redis_server import EmbeddedRedis
+from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.gateway.app import create_app
+from pagedserve.gateway.queue_client import QueueClient
+from pagedserve.gateway.tokenizer import PromptTokenizer
+
+from tiny_models import build_tokenizer
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    with EmbeddedRedis() as server:
+        yield server
+
+
+@pytest.fixture()
+def redis_client(redis_server):
+    import redis
+
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushall()
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tok")
+    build_tokenizer(path)
+    return path
+
+
+def _queued(i: int, num_tokens: int) -> QueuedRequest:
+    now = time.time()
+    return QueuedRequest(request_id=f"r{i}", prompt_token_ids=list(range(1, num_tokens + 1)),
+                         params=SamplingParams(max_tokens=4), deadline=now + 60, enqueued_at=now)
+
+
+def _beat(redis_client, worker_id: str = "w1") -> None:
+    redis_client.zadd(q.WORKERS, {worker_id: time.time() + 60})
+
+
+def test_admission_bounds_requests_and_tokens(redis_server, redis_client):
+    config = ServeConfig(max_queued_requests=3, max_queued_tokens=100)
+
+    async def scenario():
+        queue = QueueClient(redis_server.url, config)
+        try:
+            with pytest.raises(ServiceUnavailableError):  # no live worker
+                await queue.submit(_queued(0, 10))
+            _beat(redis_client)
+            await queue.submit(_queued(1, 60))
+            with pytest.raises(QueueFullError):  # 60 + 50 tokens > 100
+                await queue.submit(_queued(2, 50))
+            await queue.submit(_queued(3, 40))  # exactly 100
+            with pytest.raises(QueueFullError):
+                await queue.submit(_queued(4, 1))
+            redis_client.set(q.QUEUED_TOKENS, 0)  # as if a worker took their tokens
+            await queue.submit(_queued(5, 1))  # the third request
+            with pytest.raises(QueueFullError):  # a fourth is one too many
+                await queue.submit(_queued(6, 1))
+        finally:
+            await queue.close()
+
+    asyncio.run(scenario())
+    assert int(redis_client.get(q.QUEUED)) == 3
+    entries = redis_client.xrange(q.REQUESTS)
+    assert [decode_request(fields[b"m"]).request_id for _, fields in entries] == ["r1", "r3", "r5"]
+    assert [int(fields[b"t"]) for _, fields in entries] == [60, 40, 1]
+
+
+def test_oversized_request_is_let_into_an_empty_queue(redis_server, redis_client):
+    _beat(redis_client)
+
+    async def scenario():
+        queue = QueueClient(redis_server.url, ServeConfig(max_queued_tokens=10))
+        try:
+            await queue.submit(_queued(1, 50))  # alone it could never run otherwise
+            with pytest.raises(QueueFullError):
+                await queue.submit(_queued(2, 1))
+        finally:
+            await queue.close()
+
+    asyncio.run(scenario())
+
+
+def _app(redis_server, tokenizer_dir, **config):
+    return create_app(ServeConfig(**config), redis_server.url, PromptTokenizer(tokenizer_dir), ("tiny",), 64,
+                      {"sk-1": "t1"} if config.pop("_keys", False) else {})
+
+
+def test_http_errors_without_workers(redis_server, redis_client, tokenizer_dir):
+    app = create_app(ServeConfig(max_body_bytes=2000, max_tokens_limit=32, max_prompt_tokens=40), redis_server.url,
+                     PromptTokenizer(tokenizer_dir), ("tiny",), 64, {})
+    with TestClient(app) as http:
+        def error(path: str, body) -> tuple[int, str | None, str | None]:
+            r = http.post(path, json=body) if not isinstance(body, bytes) else http.post(path, content=body)
+            e = r.json()["error"]
+            return r.status_code, e["code"], e["param"]
+
+        ok = {"model": "tiny", "prompt": "hello", "max_tokens": 4}
+        assert error("/v1/completions", ok) == (503, "service_unavailable", None)
+        assert http.get("/ready").status_code == 503
+        assert error("/v1/completions", {**ok, "max_tokens": 33}) == (400, "invalid_parameter", "max_tokens")
+        assert error("/v1/completions", {**ok, "prompt": list(range(1, 42))}) == (400, "invalid_parameter", "prompt")
+        assert error("/v1/completions", {**ok, "prompt": [1, 2, 999]}) == (400, "invalid_parameter", "prompt")
+        assert error("/v1/completions", {**ok, "prompt": [[1], "x"]}) == (400, "invalid_parameter", "prompt")
+        assert error("/v1/completions", {**ok, "prompt": list(range(1, 36)), "max_tokens": 32}) == (400, "context_length_exceeded", "prompt")
+        assert error("/v1/completions", {**ok, "echo": True}) == (400, "invalid_parameter", "echo")
+        assert error("/v1/completions", {**ok, "logit_bias": {"5": 1.0}}) == (400, "invalid_parameter", "logit_bias")
+        assert error("/v1/completions", {"prompt": "x"}) == (400, "invalid_parameter", "model")
+        assert error("/v1/completions", b"x" * 3000)[0] == 413
+        assert error("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}) \
+            == (400, "invalid_parameter", "messages[0].content")
+        assert error("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                                              "tools": [{"type": "function"}]}) == (400, "invalid_parameter", "tools")
+        _beat(redis_client)
+        assert http.get("/ready").status_code == 503  # a beat, but no worker info: not a live worker
+        assert http.get("/v1/nothing").status_code == 404
+    # nothing was queued by any of it
+    assert redis_client.xlen(q.REQUESTS) == 0 and int(redis_client.get(q.QUEUED) or 0) == 0
+
+
+def test_api_keys(redis_server, redis_client, tokenizer_dir):
+    app = create_app(ServeConfig(), redis_server.url, PromptTokenizer(tokenizer_dir), ("tiny",), 64, {"sk-1": "t1"})
+    with TestClient(app) as http:
+        assert http.get("/v1/models").status_code == 401
+        assert http.get("/v1/models", headers={"Authorization": "Bearer sk-2"}).json()["error"]["code"] == "invalid_api_key"
+        assert http.get("/v1/models", headers={"Authorization": "Bearer sk-1"}).json()["data"][0]["id"] == "tiny"
+        assert http.get("/health").status_code == 200  # probes need no key

@@ -1,0 +1,74 @@
+"""A live `pagedserve serve` for the tests: started the way a user starts it, as a process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import redis
+
+from pagedserve.common import queue as q
+from pagedserve.common.messages import WorkerInfo, decode_worker_info
+
+API_KEYS = {"sk-test-a": "tenant-a", "sk-test-b": "tenant-b"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    def __init__(self, model_dir, redis_url: str, *flags: str):
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.redis_url = redis_url
+        self.model = str(model_dir)
+        env = dict(os.environ, PAGEDSERVE_API_KEYS=",".join(f"{k}:{t}" for k, t in API_KEYS.items()))
+        args = [sys.executable, "-m", "pagedserve.common.cli", "serve", "--model", self.model, "--port", str(self.port),
+                "--redis-url", redis_url, "--log-level", "warning", *flags]
+        self.process = subprocess.Popen(args, env=env)
+        self.redis = redis.Redis.from_url(redis_url)
+
+    def wait_ready(self, timeout: float = 300.0) -> LiveServer:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, f"pagedserve serve exited with {self.process.returncode}"
+            try:
+                if httpx.get(self.base_url + "/ready", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        raise TimeoutError("the server did not become ready")
+
+    def workers(self) -> list[WorkerInfo]:
+        ids = self.redis.zrangebyscore(q.WORKERS, int(time.time()), "+inf")
+        infos = self.redis.mget([q.worker_key(i.decode()) for i in ids]) if ids else []
+        return [decode_worker_info(x) for x in infos if x]
+
+    def wait_for(self, predicate, timeout: float = 60.0, what: str = "condition"):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = predicate()
+            if value:
+                return value
+            time.sleep(0.1)
+        raise AssertionError(f"timed out waiting for {what}")
+
+    def stop(self, timeout: float = 60.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.redis.close()
+        return self.process.returncode
