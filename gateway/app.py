@@ -9,7 +9,6 @@ request cancelled in the worker.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import re
