@@ -99,11 +99,6 @@ def test_oversized_request_is_let_into_an_empty_queue(redis_server, redis_client
     asyncio.run(scenario())
 
 
-def _app(redis_server, tokenizer_dir, **config):
-    return create_app(ServeConfig(**config), redis_server.url, PromptTokenizer(tokenizer_dir), ("tiny",), 64,
-                      {"sk-1": "t1"} if config.pop("_keys", False) else {})
-
-
 def test_http_errors_without_workers(redis_server, redis_client, tokenizer_dir):
     app = create_app(ServeConfig(max_body_bytes=2000, max_tokens_limit=32, max_prompt_tokens=40), redis_server.url,
                      PromptTokenizer(tokenizer_dir), ("tiny",), 64, {})
@@ -143,3 +138,21 @@ def test_api_keys(redis_server, redis_client, tokenizer_dir):
         assert http.get("/v1/models", headers={"Authorization": "Bearer sk-2"}).json()["error"]["code"] == "invalid_api_key"
         assert http.get("/v1/models", headers={"Authorization": "Bearer sk-1"}).json()["data"][0]["id"] == "tiny"
         assert http.get("/health").status_code == 200  # probes need no key
+
+
+def test_tenant_is_the_cache_salt_and_unanswered_requests_time_out(redis_server, redis_client, tokenizer_dir):
+    """A worker beats but never answers: the request ends with a timeout, and what was queued
+    carries the caller's tenant as its prefix-cache salt."""
+    config = ServeConfig(request_timeout=1.0)
+    app = create_app(config, redis_server.url, PromptTokenizer(tokenizer_dir), ("tiny",), 64, {"sk-1": "t1", "sk-2": "t2"})
+    _beat(redis_client)
+    with TestClient(app) as http:
+        for key in ("sk-1", "sk-2"):
+            r = http.post("/v1/completions", json={"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 2},
+                          headers={"Authorization": f"Bearer {key}"})
+            assert r.status_code == 504 and r.json()["error"]["code"] == "request_timeout"
+    entries = redis_client.xrange(q.REQUESTS)
+    queued = [decode_request(fields[b"m"]) for _, fields in entries]
+    assert [r.cache_salt for r in queued] == ["t1", "t2"]
+    assert [r.prompt_token_ids for r in queued] == [[1, 2, 3], [1, 2, 3]]
+    assert all(0.9 < r.deadline - r.enqueued_at < 1.1 for r in queued)

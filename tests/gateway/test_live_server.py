@@ -152,6 +152,23 @@ def test_stop_string(server, client, llm):
     assert streamed == expected[:cut]
 
 
+def test_bench_serve_client_against_the_live_server(server):
+    """`pagedserve bench serve`'s client, on a handful of requests (issue #5)."""
+    import asyncio
+
+    from pagedserve.common.serve_bench import run_benchmark, summarize
+
+    prompts = [[5, 6, 7], list(range(10, 40)), [9] * 17, [100, 200]]
+    output_lens = [8, 12, 5, 9]
+    records, duration = asyncio.run(run_benchmark(server.base_url, prompts, output_lens, max_concurrency=2,
+                                                  api_key=KEY, progress=False))
+    summary = summarize(records, duration, {"ttft": 60_000})
+    assert (summary["completed"], summary["failed"], summary["total_output_tokens"]) == (4, 0, 34)
+    assert [r.output_tokens for r in records] == output_lens
+    assert summary["goodput"] == pytest.approx(4 / duration)
+    assert 0 < summary["ttft"]["median_ms"] <= summary["e2e"]["median_ms"]
+
+
 def _error(response: httpx.Response) -> tuple[int, str | None, str | None]:
     body = response.json()["error"]
     assert set(body) == {"message", "type", "param", "code"}

@@ -1,0 +1,46 @@
+"""Service config from flags, then PAGEDSERVE_* variables, then defaults."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from pagedserve.common import options
+from pagedserve.common.config import EngineConfig, ServeConfig
+from pagedserve.common.errors import InvalidParameterError
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    options.add_arguments(parser, ServeConfig)
+    options.add_arguments(parser, EngineConfig)
+    return parser.parse_args(list(argv))
+
+
+def test_flags_beat_environment_beat_defaults():
+    args = _parse("--port", "9001", "--no-enable-prefix-caching", "--kv-cache-memory", "1048576")
+    env = {"PAGEDSERVE_PORT": "9999", "PAGEDSERVE_MAX_QUEUED_REQUESTS": "7", "PAGEDSERVE_REDIS_URL": "redis://h:1/0",
+           "PAGEDSERVE_ENABLE_CHUNKED_PREFILL": "false", "PAGEDSERVE_MAX_MODEL_LEN": "none"}
+    serve = options.build(ServeConfig, args, env)
+    engine = options.build(EngineConfig, args, env)
+    assert (serve.port, serve.max_queued_requests, serve.redis_url, serve.host) == (9001, 7, "redis://h:1/0", "127.0.0.1")
+    assert (engine.enable_prefix_caching, engine.enable_chunked_prefill, engine.kv_cache_memory, engine.max_model_len) \
+        == (False, False, 1048576, None)
+
+
+def test_to_flags_rebuilds_the_same_config():
+    serve = ServeConfig(port=9002, redis_url="redis://x:2/0", worker_timeout=4.5)
+    engine = EngineConfig(enable_prefix_caching=False, max_num_seqs=3, dtype="bfloat16")
+    args = _parse(*options.to_flags(serve), *options.to_flags(engine))
+    assert options.build(ServeConfig, args, {}) == serve
+    assert options.build(EngineConfig, args, {}) == engine
+
+
+def test_bad_values_name_the_field():
+    with pytest.raises(InvalidParameterError) as err:
+        options.build(ServeConfig, None, {"PAGEDSERVE_PORT": "eighty"})
+    assert err.value.param == "port"
+    with pytest.raises(InvalidParameterError) as err:
+        options.build(ServeConfig, _parse("--worker-timeout", "1", "--heartbeat-interval", "1"), {})
+    assert err.value.param == "worker_timeout"

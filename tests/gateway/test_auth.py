@@ -1,0 +1,18 @@
+from __future__ import annotations
+
+from pagedserve.gateway.auth import parse_api_keys, tenant_for
+
+
+def test_keys_from_file_and_environment(tmp_path):
+    keys_file = tmp_path / "keys"
+    keys_file.write_text("# comment\nsk-a team-a\nsk-b\n\n")
+    keys = parse_api_keys(str(keys_file), "sk-c:team-c, sk-d")
+    assert keys["sk-a"] == "team-a" and keys["sk-c"] == "team-c"
+    # a key without a tenant is its own tenant, named without revealing the key
+    assert keys["sk-b"].startswith("key-") and "sk-b" not in keys["sk-b"] and keys["sk-b"] != keys["sk-d"]
+    assert tenant_for(keys, "Bearer sk-a") == "team-a"
+    assert tenant_for(keys, "bearer sk-c") == "team-c"
+    assert tenant_for(keys, "Bearer sk-x") is None
+    assert tenant_for(keys, "sk-a") is None
+    assert tenant_for(keys, None) is None
+    assert parse_api_keys(None, None) == {}
