@@ -1,5 +1,5 @@
 # Two commands set everything up on a fresh machine:
-#   make serve   – create the virtual environment if missing, then run pagedserve
+#   make serve   – create the virtual environment if missing, then run `pagedserve serve`
 #   make test    – create the virtual environment if missing, then run the test suite
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -21,11 +21,9 @@ $(STAMP): pyproject.toml
 		echo "warning: no redis-server on PATH; install Redis or set PAGEDSERVE_REDIS_SERVER"
 	touch $(STAMP)
 
-# The HTTP server (`pagedserve serve`) arrives with issue #3; until then the main job is
-# the engine itself, as a streaming terminal chat on the default model.
+# The OpenAI server on the defaults: its own Redis, the default model, CPU without a GPU.
 serve: $(STAMP)
-	$(VENV)/bin/pagedserve models pull
-	$(VENV)/bin/pagedserve chat
+	$(VENV)/bin/pagedserve serve $(ARGS)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -393,4 +393,5 @@ def create_app(config: ServeConfig, redis_url: str, tokenizer: PromptTokenizer, 
         request_max_body_size=config.max_body_bytes,
         openapi_config=OpenAPIConfig(title="pagedserve", version="0.1.0", path="/docs"),
         debug=bool(os.environ.get("PAGEDSERVE_DEBUG")),
+        logging_config=None,  # the process configures logging once (cli.py)
     )
