@@ -58,6 +58,7 @@ class GatewayState:
     tokenizer: PromptTokenizer
     model_names: tuple[str, ...]  # names clients may ask for; the first is announced
     max_model_len: int  # tightened to the smallest a live worker announces
+    vocab_size: int  # token ids a prompt may hold
     api_keys: dict[str, str]  # key → tenant; empty: no auth
     drain_deadline: float | None = None  # monotonic; set on SIGTERM
     background: set[asyncio.Task] = field(default_factory=set)
@@ -138,7 +139,7 @@ def _check_prompt(state: GatewayState, token_ids: list[int], params: SamplingPar
     config, limit = state.config, state.max_model_len
     if not token_ids:
         raise InvalidParameterError("prompt", "the prompt is empty")
-    vocab = state.tokenizer.tokenizer.get_vocab_size(with_added_tokens=True)
+    vocab = state.vocab_size
     if not all(0 <= t < vocab for t in token_ids):
         raise InvalidParameterError("prompt", f"token ids must be integers in [0, {vocab})")
     if config.max_prompt_tokens is not None and len(token_ids) > config.max_prompt_tokens:
@@ -368,8 +369,10 @@ async def _watch_workers(state: GatewayState) -> None:
 
 
 def create_app(config: ServeConfig, redis_url: str, tokenizer: PromptTokenizer, model_names: tuple[str, ...],
-               max_model_len: int, api_keys: dict[str, str]) -> Litestar:
-    state = GatewayState(config, QueueClient(redis_url, config), tokenizer, model_names, max_model_len, api_keys)
+               max_model_len: int, api_keys: dict[str, str], vocab_size: int | None = None) -> Litestar:
+    """The gateway for one model; `vocab_size` defaults to the tokenizer's."""
+    vocab_size = vocab_size or tokenizer.tokenizer.get_vocab_size(with_added_tokens=True)
+    state = GatewayState(config, QueueClient(redis_url, config), tokenizer, model_names, max_model_len, vocab_size, api_keys)
 
     async def startup(app: Litestar) -> None:
         state.spawn(_watch_workers(state))

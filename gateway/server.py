@@ -26,7 +26,8 @@ def build_gateway(config: ServeConfig, engine: EngineConfig, redis_url: str):
         max_len = min(max_len, engine.max_model_len)
     names = tuple(dict.fromkeys(n for n in (config.served_model_name, engine.model) if n))
     keys = parse_api_keys(config.api_keys_file, os.environ.get("PAGEDSERVE_API_KEYS"))
-    return create_app(config, redis_url, PromptTokenizer(model_dir), names, max_len, keys)
+    return create_app(config, redis_url, PromptTokenizer(model_dir), names, max_len, keys,
+                      vocab_size=model_config.get("vocab_size"))
 
 
 class _DrainingServer(uvicorn.Server):

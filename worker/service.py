@@ -107,6 +107,9 @@ class WorkerService:
                 self._pubsub = None
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, 2.0)
+            except Exception:  # a bug in one pass must not end the worker and its requests
+                logger.exception("worker loop error; going on")
+                self._stop.wait(0.5)
         self._stop.set()
         heartbeat.join(timeout=5)
         self._deregister()
@@ -244,6 +247,12 @@ class WorkerService:
         except PagedServeError as exc:
             self._end(run, WireError(message=exc.message, type=exc.error_type, code=exc.code,
                                      param=exc.param, status_code=exc.status_code), started=False)
+            return
+        except Exception as exc:  # a bug must fail this request, not the worker
+            logger.exception("could not start request %s", request.request_id)
+            self.engine.abort_request(request.request_id)
+            self._end(run, WireError(message=f"the worker could not start the request: {type(exc).__name__}",
+                                     code="internal_error"), started=False)
             return
         self.running[request.request_id] = run
         self.num_taken_over += attempt > 1
