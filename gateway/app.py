@@ -82,6 +82,10 @@ def error_response(status: int, message: str, type_: str, code: str | None = Non
     return Response(content=body, status_code=status, headers=headers)
 
 
+def _wire_error_response(e: WireError) -> Response:
+    return error_response(e.status_code, e.message, e.type, e.code, e.param)
+
+
 def _paged_error(_: Request, exc: PagedServeError) -> Response:
     headers = {"Retry-After": "1"} if exc.status_code in (429, 503) else None
     return error_response(exc.status_code, exc.message, exc.error_type, exc.code, exc.param, headers)
@@ -150,14 +154,14 @@ def _check_prompt(state: GatewayState, token_ids: list[int], params: SamplingPar
         raise ContextLengthExceededError(len(token_ids), limit, f" and max_tokens asks for {params.max_tokens} more")
 
 
-async def _admit(state: GatewayState, request: Request, prompts: list[list[int]], params: SamplingParams) -> list[QueuedRequest]:
+async def _admit(state: GatewayState, request: Request, prompts: list[list[int]], params: SamplingParams,
+                 tenant: str | None) -> list[QueuedRequest]:
     """Queue every prompt (all or none) and return the queued requests."""
     if state.drain_deadline is not None:
         raise ServiceUnavailableError("the server is shutting down")
     config = state.config
     if config.max_tokens_limit is not None and params.max_tokens is not None and params.max_tokens > config.max_tokens_limit:
         raise InvalidParameterError("max_tokens", f"must be <= {config.max_tokens_limit}")
-    tenant = _authenticate(state, request)
     for ids in prompts:
         _check_prompt(state, ids, params)
     base = uuid.uuid4().hex
@@ -236,8 +240,8 @@ async def _until_disconnect(request: Request) -> None:
 
 
 async def _serve(state: GatewayState, request: Request, body, prompts: list[list[int]], params: SamplingParams,
-                 builder: ResponseBuilder) -> Response | Stream:
-    queued = await _admit(state, request, prompts, params)
+                 tenant: str | None, builder: ResponseBuilder) -> Response | Stream:
+    queued = await _admit(state, request, prompts, params, tenant)
     builder.prompt_lengths = [len(p) for p in prompts]
     events = _merged_outputs(state, queued)
 
@@ -269,12 +273,10 @@ async def _serve(state: GatewayState, request: Request, body, prompts: list[list
     if work.exception() is not None:
         await events.aclose()
         cancel_all()
-        error = _wire_error_of(work.exception(), state.config)
-        return error_response(error.status_code, error.message, error.type, error.code, error.param)
+        return _wire_error_response(_wire_error_of(work.exception(), state.config))
     if builder.error is not None and not builder.has_content():
         await events.aclose()
-        e = builder.error
-        return error_response(e.status_code, e.message, e.type, e.code, e.param)
+        return _wire_error_response(builder.error)
     if not body.stream:
         return Response(content=builder.final_body())
 
@@ -307,23 +309,23 @@ async def _serve(state: GatewayState, request: Request, body, prompts: list[list
 @post("/v1/completions", status_code=200, summary="Create a completion (OpenAI)")
 async def create_completion(request: Request, data: Annotated[CompletionRequest, _JSON]) -> Response | Stream:
     state = _state(request)
-    _authenticate(state, request)
+    tenant = _authenticate(state, request)
     _check_model(state, data.model)
     params = data.sampling_params()
     prompts = [p if isinstance(p, list) else state.tokenizer.encode(p) for p in data.prompts()]
     builder = ResponseBuilder("completion", data.model, params.n, len(prompts), data.include_usage, params.logprobs)
-    return await _serve(state, request, data, prompts, params, builder)
+    return await _serve(state, request, data, prompts, params, tenant, builder)
 
 
 @post("/v1/chat/completions", status_code=200, summary="Create a chat completion (OpenAI)")
 async def create_chat_completion(request: Request, data: Annotated[ChatCompletionRequest, _JSON]) -> Response | Stream:
     state = _state(request)
-    _authenticate(state, request)
+    tenant = _authenticate(state, request)
     _check_model(state, data.model)
     params = data.sampling_params()
     prompt = state.tokenizer.encode_chat(data.template_messages(), data.add_generation_prompt)
     builder = ResponseBuilder("chat", data.model, params.n, 1, data.include_usage, params.logprobs)
-    return await _serve(state, request, data, [prompt], params, builder)
+    return await _serve(state, request, data, [prompt], params, tenant, builder)
 
 
 @get("/v1/models", summary="List the served models (OpenAI)")

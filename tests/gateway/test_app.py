@@ -22,9 +22,25 @@ from pagedserve.gateway.tokenizer import PromptTokenizer
 from tiny_models import build_tokenizer
 
 
-@pytest.fixture(scope="module")
-def redis_server():
-    with EmbeddedRedis() as server:
+class _ContainerRedis:
+    """Redis in a container (testcontainers), where a Docker engine exists."""
+
+    def __enter__(self):
+        from testcontainers.redis import RedisContainer
+
+        self.container = RedisContainer("redis:7-alpine").start()
+        port = self.container.get_exposed_port(6379)
+        self.url = f"redis://{self.container.get_container_host_ip()}:{port}/0"
+        return self
+
+    def __exit__(self, *exc):
+        self.container.stop()
+
+
+@pytest.fixture(scope="module", params=["local", pytest.param("container", marks=pytest.mark.docker)])
+def redis_server(request):
+    """The same tests on a redis-server pagedserve starts, and in a container where Docker is."""
+    with (EmbeddedRedis() if request.param == "local" else _ContainerRedis()) as server:
         yield server
 
 
