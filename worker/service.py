@@ -75,7 +75,7 @@ class WorkerService:
         self.config = config
         self.worker_id = worker_id or new_worker_id()
         self.redis = redis.Redis.from_url(redis_url, socket_connect_timeout=2, health_check_interval=10)
-        self._admit_taken = self.redis.register_script(q.TAKEN)
+        self._count_taken = self.redis.register_script(q.TAKEN)
         self._ack_if_owner = self.redis.register_script(q.ACK_IF_OWNER)
         self._heartbeat_script = self.redis.register_script(q.HEARTBEAT)
         self.running: dict[str, _Running] = {}  # by request id
@@ -184,7 +184,7 @@ class WorkerService:
         if not entries:
             return
         num_tokens = sum(int(fields.get(b"t", 0)) for _, fields in entries)
-        self._admit_taken(keys=[q.QUEUED, q.QUEUED_TOKENS], args=[len(entries), num_tokens])
+        self._count_taken(keys=[q.QUEUED, q.QUEUED_TOKENS], args=[len(entries), num_tokens])
         for entry_id, fields in entries:
             self._start(entry_id.decode(), fields, attempt=1)
 

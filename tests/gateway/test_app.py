@@ -172,3 +172,27 @@ def test_tenant_is_the_cache_salt_and_unanswered_requests_time_out(redis_server,
     assert [r.cache_salt for r in queued] == ["t1", "t2"]
     assert [r.prompt_token_ids for r in queued] == [[1, 2, 3], [1, 2, 3]]
     assert all(0.9 < r.deadline - r.enqueued_at < 1.1 for r in queued)
+
+
+def test_drain_refuses_new_requests_and_ends_running_ones_in_time(redis_server, redis_client, tokenizer_dir):
+    import threading
+
+    app = create_app(ServeConfig(drain_timeout=0.5), redis_server.url, PromptTokenizer(tokenizer_dir), ("tiny",), 64, {})
+    _beat(redis_client)
+    body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 2}
+    with TestClient(app) as http:
+        answers = []
+        waiting = threading.Thread(target=lambda: answers.append(http.post("/v1/completions", json=body)))
+        waiting.start()
+        deadline = time.monotonic() + 10
+        while redis_client.xlen(q.REQUESTS) == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        app.state.gateway.begin_drain()  # what SIGTERM does
+        refused = http.post("/v1/completions", json=body)
+        assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
+        assert http.get("/ready").status_code == 503
+        waiting.join(timeout=10)
+    assert answers[0].status_code == 503 and answers[0].json()["error"]["code"] == "shutting_down"
+    # the abandoned request was cancelled for the workers
+    [(_, fields)] = redis_client.xrange(q.REQUESTS)
+    assert redis_client.exists(q.cancelled_key(decode_request(fields[b"m"]).request_id)) == 1
