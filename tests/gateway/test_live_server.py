@@ -120,6 +120,13 @@ def test_chat_streamed_and_not(server, client, llm):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
     assert all(c.usage is None for c in chunks[:-1])
 
+    out = client.chat.completions.create(model=server.model, messages=messages, max_completion_tokens=5,
+                                         temperature=0, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    content = out.choices[0].logprobs.content
+    assert len(content) == 5 == out.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob for t in content)
+    assert all(t.logprob == t.top_logprobs[0].logprob for t in content)  # greedy takes the best
+
 
 def test_n2_seeded_stream_and_logprobs(server, client):
     kwargs = dict(model=server.model, prompt=PROMPT, max_tokens=10, temperature=1.0, seed=7, n=2,
