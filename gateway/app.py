@@ -274,8 +274,8 @@ async def _serve(state: GatewayState, request: Request, body, prompts: list[list
         await events.aclose()
         cancel_all()
         return _wire_error_response(_wire_error_of(work.exception(), state.config))
-    if builder.error is not None and not builder.has_content():
-        await events.aclose()
+    if builder.error is not None and (not body.stream or not builder.has_content()):
+        await events.aclose()  # a whole answer fails whole; a stream fails in-band once it began
         return _wire_error_response(builder.error)
     if not body.stream:
         return Response(content=builder.final_body())

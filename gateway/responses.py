@@ -58,7 +58,7 @@ class ResponseBuilder:
         return all(log is not None and log.done for log in self.logs)
 
     def has_content(self) -> bool:
-        return any(self.texts)
+        return any(self._pending) or any(any(pieces) for pieces in self.texts)
 
     def usage(self) -> dict[str, Any]:
         prompt = sum(self.prompt_lengths)

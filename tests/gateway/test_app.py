@@ -4,6 +4,8 @@ check, against a real Redis the test owns (no model weights, no torch in the gat
 from __future__ import annotations
 
 import asyncio
+import json
+import threading
 import time
 
 import pytest
@@ -12,7 +14,14 @@ from litestar.testing import TestClient
 from pagedserve.common import queue as q
 from pagedserve.common.config import ServeConfig
 from pagedserve.common.errors import QueueFullError, ServiceUnavailableError
-from pagedserve.common.messages import QueuedRequest, decode_request
+from pagedserve.common.messages import (
+    ChoiceDelta,
+    Chunk,
+    QueuedRequest,
+    WireError,
+    decode_request,
+    encode,
+)
 from pagedserve.common.redis_server import EmbeddedRedis
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.gateway.app import create_app
@@ -175,8 +184,6 @@ def test_tenant_is_the_cache_salt_and_unanswered_requests_time_out(redis_server,
 
 
 def test_drain_refuses_new_requests_and_ends_running_ones_in_time(redis_server, redis_client, tokenizer_dir):
-    import threading
-
     app = create_app(ServeConfig(drain_timeout=0.5), redis_server.url, PromptTokenizer(tokenizer_dir), ("tiny",), 64, {})
     _beat(redis_client)
     body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 2}
@@ -196,3 +203,47 @@ def test_drain_refuses_new_requests_and_ends_running_ones_in_time(redis_server, 
     # the abandoned request was cancelled for the workers
     [(_, fields)] = redis_client.xrange(q.REQUESTS)
     assert redis_client.exists(q.cancelled_key(decode_request(fields[b"m"]).request_id)) == 1
+
+
+def _fake_worker(redis_client, chunks: list[Chunk]) -> threading.Thread:
+    """Answers the next queued request with these chunks, as a worker would."""
+
+    def run():
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            entries = redis_client.xrange(q.REQUESTS)
+            if entries:
+                request = decode_request(entries[-1][1][b"m"])
+                redis_client.delete(q.REQUESTS)
+                for chunk in chunks:
+                    redis_client.xadd(q.output_key(request.request_id), {"c": encode(chunk)})
+                return
+            time.sleep(0.01)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+def test_an_error_after_some_tokens(redis_server, redis_client, tokenizer_dir):
+    """Not streamed: the whole answer is the error. Streamed: the tokens, then an error event."""
+    app = create_app(ServeConfig(), redis_server.url, PromptTokenizer(tokenizer_dir), ("tiny",), 64, {})
+    _beat(redis_client)
+    chunks = [Chunk(attempt=1, deltas=[ChoiceDelta(index=0, start=0, token_ids=[5, 6], text="ab")]),
+              Chunk(attempt=1, done=True, error=WireError(message="engine step failed", code="engine_error"))]
+    body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 8}
+    with TestClient(app) as http:
+        worker = _fake_worker(redis_client, chunks)
+        r = http.post("/v1/completions", json=body)
+        worker.join()
+        assert r.status_code == 500 and r.json()["error"] == {"message": "engine step failed", "type": "server_error",
+                                                              "param": None, "code": "engine_error"}
+        worker = _fake_worker(redis_client, chunks)
+        r = http.post("/v1/completions", json={**body, "stream": True})
+        worker.join()
+    events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert r.status_code == 200
+    assert [e if e == "[DONE]" else list(json.loads(e)) for e in events] == [
+        ["id", "object", "created", "model", "choices"], ["error"], "[DONE]"]
+    assert json.loads(events[0])["choices"][0]["text"] == "ab"
+    assert json.loads(events[1])["error"]["code"] == "engine_error"
