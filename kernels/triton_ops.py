@@ -1,0 +1,167 @@
+"""Triton kernels for the elementwise hot path, each beside the torch reference it must match:
+RMSNorm fused with the residual add, SiLU-and-mul, rotary embedding, and the KV-cache store
+by slot mapping. On CPU they run under `TRITON_INTERPRET=1` (slow; tests use small shapes).
+
+Paged attention and CUDA graphs (the rest of issue #4) are not here yet, and the model does
+not call these kernels yet: `worker/layers` uses the torch references on every device.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton ships with CUDA builds of torch
+    triton = None
+
+
+# -- torch references ----------------------------------------------------------------------
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """x [n, hidden] → norm(x); with a residual: (norm(x + residual), x + residual)."""
+    if residual is not None:
+        x = x + residual
+        residual = x
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    out = weight * h.to(x.dtype)
+    return out if residual is None else (out, residual)
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """x [n, 2 * d] (gate then up) → silu(gate) * up, [n, d]."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rotary_ref(positions: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [n, heads, head_dim] rotated (rotate-half layout) by the cos/sin rows of positions."""
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * c + rotated * s
+
+
+def kv_store_ref(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """kv_cache [2, blocks, block_size, kv_heads, head_dim]: slot slot_mapping[i] ← key[i], value[i]."""
+    _, _, _, num_kv_heads, head_dim = kv_cache.shape
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping.long(), key)
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping.long(), value)
+
+
+# -- Triton kernels --------------------------------------------------------------------------
+if triton is not None:
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps,
+                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        base = row * n_cols
+        x = tl.load(x_ptr + base + cols, mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            # Round the sum to the input dtype first, as the reference's `x + residual` does.
+            x = (x.to(tl.float32) + tl.load(res_ptr + base + cols, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
+            tl.store(res_out_ptr + base + cols, x, mask=mask)
+        h = x.to(tl.float32)
+        h = h * tl.rsqrt(tl.sum(h * h, axis=0) / n_cols + eps)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        # Arithmetic in float32 only (rounding h to the input dtype first, as the reference
+        # does); the one rounding of the product happens at the store.
+        tl.store(out_ptr + base + cols, (w * h.to(x.dtype).to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _silu_and_mul_kernel(x_ptr, out_ptr, d, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < d
+        gate = tl.load(x_ptr + row * 2 * d + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + row * 2 * d + d + cols, mask=mask, other=0.0)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(up.dtype).to(tl.float32)  # rounded as torch's silu output
+        tl.store(out_ptr + row * d + cols, (silu * up.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _rotary_kernel(x_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr, num_heads, head_dim,
+                       HALF: tl.constexpr, BLOCK: tl.constexpr):
+        token = tl.program_id(0)
+        head = tl.program_id(1)
+        i = tl.arange(0, BLOCK)
+        mask = i < HALF
+        pos = tl.load(pos_ptr + token)
+        base = (token * num_heads + head) * head_dim
+        x1 = tl.load(x_ptr + base + i, mask=mask, other=0.0)
+        x2 = tl.load(x_ptr + base + HALF + i, mask=mask, other=0.0)
+        c1 = tl.load(cos_ptr + pos * head_dim + i, mask=mask, other=0.0)
+        c2 = tl.load(cos_ptr + pos * head_dim + HALF + i, mask=mask, other=0.0)
+        s1 = tl.load(sin_ptr + pos * head_dim + i, mask=mask, other=0.0)
+        s2 = tl.load(sin_ptr + pos * head_dim + HALF + i, mask=mask, other=0.0)
+        tl.store(out_ptr + base + i, x1 * c1 - x2 * s1, mask=mask)
+        tl.store(out_ptr + base + HALF + i, x2 * c2 + x1 * s2, mask=mask)
+
+    @triton.jit
+    def _kv_store_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, value_offset, row_size, BLOCK: tl.constexpr):
+        token = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < row_size
+        slot = tl.load(slot_ptr + token).to(tl.int64)
+        k = tl.load(k_ptr + token * row_size + cols, mask=mask)
+        v = tl.load(v_ptr + token * row_size + cols, mask=mask)
+        tl.store(cache_ptr + slot * row_size + cols, k, mask=mask)
+        tl.store(cache_ptr + value_offset + slot * row_size + cols, v, mask=mask)
+
+
+def _need_triton() -> None:
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """Triton version of `rms_norm_ref` (one program per row)."""
+    _need_triton()
+    x = x.contiguous()
+    n, hidden = x.shape
+    out = torch.empty_like(x)
+    res_out = torch.empty_like(x) if residual is not None else x
+    res_in = residual.contiguous() if residual is not None else x
+    _rms_norm_kernel[(n,)](x, res_in, weight, out, res_out, hidden, eps,
+                           HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(hidden))
+    return out if residual is None else (out, res_out)
+
+
+def silu_and_mul(x: torch.Tensor, block: int = 1024) -> torch.Tensor:
+    """Triton version of `silu_and_mul_ref`."""
+    _need_triton()
+    x = x.contiguous()
+    n, two_d = x.shape
+    d = two_d // 2
+    out = torch.empty((n, d), dtype=x.dtype, device=x.device)
+    block = min(block, triton.next_power_of_2(d))
+    _silu_and_mul_kernel[(n, triton.cdiv(d, block))](x, out, d, BLOCK=block)
+    return out
+
+
+def rotary(positions: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Triton version of `rotary_ref` (one program per token and head)."""
+    _need_triton()
+    x = x.contiguous()
+    n, num_heads, head_dim = x.shape
+    out = torch.empty_like(x)
+    half = head_dim // 2
+    _rotary_kernel[(n, num_heads)](x, out, positions, cos.contiguous(), sin.contiguous(), num_heads, head_dim,
+                                   HALF=half, BLOCK=triton.next_power_of_2(half))
+    return out
+
+
+def kv_store(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+             block: int = 1024) -> None:
+    """Triton version of `kv_store_ref`; kv_cache must be contiguous."""
+    _need_triton()
+    assert kv_cache.is_contiguous(), "the KV pool is one contiguous tensor per layer"
+    n, num_kv_heads, head_dim = key.shape
+    row_size = num_kv_heads * head_dim
+    block = min(block, triton.next_power_of_2(row_size))
+    _kv_store_kernel[(n, triton.cdiv(row_size, block))](key.contiguous(), value.contiguous(), kv_cache, slot_mapping,
+                                                        kv_cache[0].numel(), row_size, BLOCK=block)
