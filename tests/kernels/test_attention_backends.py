@@ -5,64 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve.kernels.attention_backend import AttentionMetadata
 from pagedserve.kernels.cpu_attention import CPUAttentionBackend, cpu_kernels
 from pagedserve.kernels.torch_attention import TorchAttentionBackend
 
-
-def build_batch(query_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0):
-    """A mixed batch (decodes first) over a shuffled block pool, plus a dense reference."""
-    g = torch.Generator().manual_seed(seed)
-    num_blocks = sum(-(-c // block_size) for c in context_lens) + 3
-    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
-    perm = torch.randperm(num_blocks, generator=g).tolist()
-    tables, slots = [], []
-    total_q = sum(query_lens)
-    query = torch.randn(total_q, num_heads, head_dim, generator=g).to(dtype)
-    key = torch.randn(total_q, num_kv_heads, head_dim, generator=g).to(dtype)
-    value = torch.randn(total_q, num_kv_heads, head_dim, generator=g).to(dtype)
-    offset = 0
-    for q_len, ctx in zip(query_lens, context_lens):
-        n = -(-ctx // block_size)
-        table = [perm.pop() for _ in range(n)]
-        tables.append(table)
-        for p in range(ctx - q_len, ctx):
-            slots.append(table[p // block_size] * block_size + p % block_size)
-        offset += q_len
-    max_blocks = max(len(t) for t in tables)
-    block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32)
-    query_start = torch.tensor([0] + list(torch.tensor(query_lens).cumsum(0).tolist()), dtype=torch.int32)
-    metadata = AttentionMetadata(
-        slot_mapping=torch.tensor(slots), query_start_loc=query_start,
-        seq_lens=torch.tensor(context_lens, dtype=torch.int32), block_tables=block_tables,
-        num_decodes=sum(1 for q in query_lens if q == 1), max_seq_len=max(context_lens),
-        query_lens_cpu=list(query_lens), seq_lens_cpu=list(context_lens),
-    )
-    return query, key, value, kv_cache, metadata
-
-
-def dense_reference(query, key, value, kv_cache, metadata, block_size, scale):
-    """Straightforward float64 attention per sequence, after the new K/V are stored."""
-    kv = kv_cache.clone().double()
-    kv[0].view(-1, *kv.shape[3:])[metadata.slot_mapping] = key.double()
-    kv[1].view(-1, *kv.shape[3:])[metadata.slot_mapping] = value.double()
-    out = torch.empty(query.shape, dtype=torch.float64)
-    start = 0
-    group = query.shape[1] // key.shape[1]
-    for i, (q_len, ctx) in enumerate(zip(metadata.query_lens_cpu, metadata.seq_lens_cpu)):
-        table = metadata.block_tables[i]
-        pos = torch.arange(ctx)
-        slots = table[pos // block_size].long() * block_size + pos % block_size
-        k = kv[0].view(-1, *kv.shape[3:])[slots].repeat_interleave(group, dim=1)  # [ctx, heads, d]
-        v = kv[1].view(-1, *kv.shape[3:])[slots].repeat_interleave(group, dim=1)
-        q = query[start : start + q_len].double()
-        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
-        q_pos = torch.arange(ctx - q_len, ctx)
-        scores = scores.masked_fill(pos[None, None, :] > q_pos[None, :, None], float("-inf"))
-        out[start : start + q_len] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
-        start += q_len
-    return out
-
+from attention_helpers import build_batch, dense_reference
 
 SHAPES = [
     # (query lens, context lens, heads, kv heads, head_dim, block size)

@@ -1,0 +1,194 @@
+"""Paged attention in Triton: one launch for a mixed batch of prefill chunks and decodes.
+
+Each program takes a tile of up to BLOCK_M query tokens of one sequence and all the query
+heads that share one KV head (GQA), so every K/V block is read once for the whole group. It
+walks the sequence's block table one KV block at a time with an online softmax, causal
+inside the new tokens. For long contexts the KV range is split across programs
+(flash-decoding): each split writes a partial result and its log-sum-exp, and a second
+kernel combines them. The new keys and values are stored by slot mapping first
+(`triton_ops.kv_store`), so attention reads only the cache.
+
+On CPU this runs under TRITON_INTERPRET=1 (slow: tests only); the torch backend is the
+reference it is tested against.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.kernels import triton_ops
+from pagedserve.kernels.attention_backend import AttentionBackend, AttentionMetadata
+
+triton = triton_ops.triton
+#: Triton's interpreter computes bfloat16 dot products wrongly, so there the operands are
+#: widened to float32 first; compiled kernels keep them in the cache's dtype.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit
+    def _paged_attention_kernel(
+        q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
+        tile_seq_ptr, tile_start_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+        scale, num_tokens, num_heads, num_kv_heads, max_blocks_per_seq,
+        GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_FP32: tl.constexpr,
+    ):
+        tile = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        split = tl.program_id(2)
+        seq = tl.load(tile_seq_ptr + tile)
+        tile_start = tl.load(tile_start_ptr + tile)  # first query of this tile, within its sequence
+        q_begin = tl.load(query_start_ptr + seq)
+        q_len = tl.load(query_start_ptr + seq + 1) - q_begin
+        seq_len = tl.load(seq_lens_ptr + seq)
+        context_before = seq_len - q_len  # tokens cached before this step's queries
+
+        # Rows are (query token, head of the group): [BLOCK_M * GROUP_P2]
+        rows = tl.arange(0, BLOCK_M * GROUP_P2)
+        tok = tile_start + rows // GROUP_P2
+        head = kv_head * GROUP + rows % GROUP_P2
+        row_ok = (tok < q_len) & (rows % GROUP_P2 < GROUP)
+        d = tl.arange(0, HEAD_DIM_P2)
+        d_ok = d < HEAD_DIM
+        q_rows = (q_begin + tok).to(tl.int64) * num_heads + head
+        q = tl.load(q_ptr + q_rows[:, None] * HEAD_DIM + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        if DOT_FP32:
+            q = q.to(tl.float32)
+        q_pos = context_before + tok  # absolute position of each row's query
+
+        # The KV this tile may see ends at its last query; this split takes a share of it.
+        kv_end = tl.minimum(seq_len, context_before + tile_start + BLOCK_M)
+        num_blocks = tl.cdiv(kv_end, BLOCK_SIZE)
+        per_split = tl.cdiv(num_blocks, NUM_SPLITS)
+        block_lo = split * per_split
+        block_hi = tl.minimum(block_lo + per_split, num_blocks)
+
+        m_i = tl.full([BLOCK_M * GROUP_P2], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M * GROUP_P2], tl.float32)
+        acc = tl.zeros([BLOCK_M * GROUP_P2, HEAD_DIM_P2], tl.float32)
+        n = tl.arange(0, BLOCK_SIZE)
+        block_stride = BLOCK_SIZE * num_kv_heads * HEAD_DIM
+        for b in range(block_lo, block_hi):
+            block_id = tl.load(block_tables_ptr + seq * max_blocks_per_seq + b).to(tl.int64)
+            offs = block_id * block_stride + (n[:, None] * num_kv_heads + kv_head) * HEAD_DIM + d[None, :]
+            k = tl.load(k_cache_ptr + offs, mask=d_ok[None, :], other=0.0)  # [BLOCK_SIZE, HEAD_DIM_P2]
+            v = tl.load(v_cache_ptr + offs, mask=d_ok[None, :], other=0.0)
+            if DOT_FP32:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # [rows, BLOCK_SIZE]
+            k_pos = b * BLOCK_SIZE + n
+            visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < seq_len)
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+            p = tl.exp(s - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+            m_i = m_new
+
+        out = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
+        out_offs = q_rows[:, None] * HEAD_DIM + d[None, :]
+        store_ok = row_ok[:, None] & d_ok[None, :]
+        if NUM_SPLITS == 1:
+            tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=store_ok)
+        else:
+            part = split.to(tl.int64) * num_tokens * num_heads * HEAD_DIM
+            tl.store(part_out_ptr + part + out_offs, out, mask=store_ok)
+            lse = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+            tl.store(part_lse_ptr + split.to(tl.int64) * num_tokens * num_heads + q_rows, lse, mask=row_ok)
+
+    @triton.jit
+    def _combine_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_tokens, num_heads,
+                               HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr,
+                               NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)  # token * num_heads + head
+        s = tl.arange(0, SPLITS_P2)
+        lse = tl.load(part_lse_ptr + s * num_tokens * num_heads + row, mask=s < NUM_SPLITS, other=float("-inf"))
+        m = tl.max(lse, axis=0)
+        w = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - m))  # [SPLITS_P2]
+        d = tl.arange(0, HEAD_DIM_P2)
+        parts = tl.load(part_out_ptr + (s[:, None] * num_tokens * num_heads + row) * HEAD_DIM + d[None, :],
+                        mask=(s[:, None] < NUM_SPLITS) & (d[None, :] < HEAD_DIM), other=0.0)
+        out = tl.sum(parts * w[:, None], axis=0) / tl.sum(w, axis=0)
+        tl.store(out_ptr + row * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+@dataclass(slots=True)
+class _TritonPlan:
+    """Per-step launch plan, shared by every layer."""
+
+    tile_seq: torch.Tensor  # [num_tiles] int32: the sequence of each query tile
+    tile_start: torch.Tensor  # [num_tiles] int32: its first query, within the sequence
+    block_m: int  # query tokens per tile
+    num_splits: int  # KV splits per tile (flash-decoding when > 1)
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """`num_splits=None` picks the split count from the longest context."""
+
+    name = "triton"
+
+    def __init__(self, num_splits: int | None = None, tokens_per_split: int = 1024, max_splits: int = 16):
+        if triton is None:
+            raise RuntimeError("the triton backend needs triton installed")
+        self.num_splits = num_splits
+        self.tokens_per_split = tokens_per_split
+        self.max_splits = max_splits
+
+    #: query tokens per tile; tl.dot wants at least 16 rows (a decode's tile holds one token)
+    block_m = 16
+
+    def prepare(self, metadata: AttentionMetadata, block_size: int) -> None:
+        block_m = self.block_m
+        seqs, starts = [], []
+        for i, q_len in enumerate(metadata.query_lens_cpu):
+            for start in range(0, q_len, block_m):
+                seqs.append(i)
+                starts.append(start)
+        device = metadata.slot_mapping.device
+        num_splits = self.num_splits or min(self.max_splits, max(1, -(-metadata.max_seq_len // self.tokens_per_split)))
+        metadata.backend_state = _TritonPlan(torch.tensor(seqs, dtype=torch.int32, device=device),
+                                             torch.tensor(starts, dtype=torch.int32, device=device), block_m, num_splits)
+
+    def forward(self, query, key, value, kv_cache, metadata, scale):
+        triton_ops.kv_store(key, value, kv_cache, metadata.slot_mapping)
+        return paged_attention(query, kv_cache, metadata, scale, torch.empty_like(query))
+
+
+def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
+                    out: torch.Tensor) -> torch.Tensor:
+    """Attention of every query over its sequence's cached K/V (already stored), into `out`.
+
+    query/out [num_tokens, num_heads, head_dim]; `metadata.backend_state` from `prepare`.
+    """
+    plan: _TritonPlan = metadata.backend_state
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
+    group = num_heads // num_kv_heads
+    query = query.contiguous()
+    splits = plan.num_splits
+    part_out = part_lse = out  # unused when not split
+    if splits > 1:
+        part_out = torch.empty((splits, num_tokens, num_heads, head_dim), dtype=torch.float32, device=query.device)
+        part_lse = torch.empty((splits, num_tokens, num_heads), dtype=torch.float32, device=query.device)
+    grid = (plan.tile_seq.numel(), num_kv_heads, splits)
+    _paged_attention_kernel[grid](
+        query, kv_cache[0], kv_cache[1], metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
+        plan.tile_seq, plan.tile_start, out, part_out, part_lse,
+        scale, num_tokens, num_heads, num_kv_heads, metadata.block_tables.shape[1],
+        GROUP=group, GROUP_P2=triton.next_power_of_2(group), HEAD_DIM=head_dim,
+        HEAD_DIM_P2=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_M=plan.block_m, BLOCK_SIZE=block_size, NUM_SPLITS=splits, DOT_FP32=_INTERPRETED,
+    )
+    if splits > 1:
+        _combine_splits_kernel[(num_tokens * num_heads,)](
+            part_out, part_lse, out, num_tokens, num_heads, HEAD_DIM=head_dim,
+            HEAD_DIM_P2=triton.next_power_of_2(head_dim), NUM_SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits),
+        )
+    return out
