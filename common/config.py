@@ -25,7 +25,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     enable_prefix_caching: bool = True
     scheduler: str = "fcfs"  # entry point in pagedserve.schedulers
     sampler: str = "default"  # entry point in pagedserve.samplers
-    attention_backend: str = "auto"  # auto | torch | cpu (triton arrives with the kernels)
+    attention_backend: str = "auto"  # auto (triton on CUDA, cpu on CPU) | torch | cpu | triton
     max_n: int = 16  # largest n a request may ask for
     seed: int = 0  # seeds the sampler of requests that give no seed
     num_threads: int | None = None  # torch CPU threads; None: torch's default
@@ -39,8 +39,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise InvalidParameterError("max_num_seqs", "must be >= 1")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise InvalidParameterError("dtype", f"must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.attention_backend not in ("auto", "torch", "cpu"):
-            raise InvalidParameterError("attention_backend", f"must be auto, torch or cpu, got {self.attention_backend!r}")
+        if self.attention_backend not in ("auto", "torch", "cpu", "triton"):
+            raise InvalidParameterError("attention_backend", f"must be auto, torch, cpu or triton, got {self.attention_backend!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise InvalidParameterError("gpu_memory_utilization", "must be in (0, 1]")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:

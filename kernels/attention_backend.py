@@ -1,4 +1,4 @@
-"""The attention interface every backend implements (torch now, Triton in its own module).
+"""The attention interface every backend implements (torch, C++ on CPU, Triton on GPU).
 
 The batch of one engine step is flat: the tokens of every scheduled request laid end to
 end, decodes (one token each) first, then prefill chunks. `AttentionMetadata` describes
@@ -7,6 +7,7 @@ that layout once per step; every layer reuses it.
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,12 +55,24 @@ class AttentionBackend(ABC):
 
 
 def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """`auto`: the C++ decode kernel on CPU when it builds, else (and on GPU, until the
-    Triton backend lands) the torch reference."""
+    """`auto`: Triton on CUDA; on CPU the C++ decode kernel when it builds, else the torch
+    reference. `triton` on CPU only runs under TRITON_INTERPRET=1 (for tests)."""
     from pagedserve.kernels.torch_attention import TorchAttentionBackend
 
     if name == "torch":
         return TorchAttentionBackend()
+    if name == "triton" or (name == "auto" and device.type == "cuda"):
+        from pagedserve.kernels import triton_ops
+
+        if triton_ops.triton is None:
+            if name == "triton":
+                raise RuntimeError("the triton attention backend needs triton installed")
+            return TorchAttentionBackend()
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError("the triton attention backend needs a CUDA device (or TRITON_INTERPRET=1 to test it on CPU)")
+        from pagedserve.kernels.triton_attention import TritonAttentionBackend
+
+        return TritonAttentionBackend()
     if name in ("auto", "cpu") and device.type == "cpu":
         from pagedserve.kernels.cpu_attention import CPUAttentionBackend, cpu_kernels
 
@@ -69,4 +82,4 @@ def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
             raise RuntimeError("the CPU attention kernel could not be built (see the log)")
     if name in ("auto", "cpu"):
         return TorchAttentionBackend()
-    raise ValueError(f"unknown attention backend {name!r}; known: auto, torch, cpu")
+    raise ValueError(f"unknown attention backend {name!r}; known: auto, torch, cpu, triton")

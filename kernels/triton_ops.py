@@ -2,8 +2,8 @@
 RMSNorm fused with the residual add, SiLU-and-mul, rotary embedding, and the KV-cache store
 by slot mapping. On CPU they run under `TRITON_INTERPRET=1` (slow; tests use small shapes).
 
-Paged attention and CUDA graphs (the rest of issue #4) are not here yet, and the model does
-not call these kernels yet: `worker/layers` uses the torch references on every device.
+The model's layers (`worker/layers`, `worker/models/llama.py`) call these when the engine
+runs the Triton attention backend (on CUDA by default), and their torch code otherwise.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ except ImportError:  # pragma: no cover - triton ships with CUDA builds of torch
 
 # -- torch references ----------------------------------------------------------------------
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
-    """x [n, hidden] → norm(x); with a residual: (norm(x + residual), x + residual)."""
+    """x [..., hidden] → norm(x); with a residual: (norm(x + residual), x + residual)."""
     if residual is not None:
         x = x + residual
         residual = x
@@ -119,16 +119,17 @@ def _need_triton() -> None:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
-    """Triton version of `rms_norm_ref` (one program per row)."""
+    """Triton version of `rms_norm_ref` over the last dimension (one program per row)."""
     _need_triton()
-    x = x.contiguous()
+    shape = x.shape
+    x = x.reshape(-1, shape[-1]).contiguous()
     n, hidden = x.shape
     out = torch.empty_like(x)
     res_out = torch.empty_like(x) if residual is not None else x
-    res_in = residual.contiguous() if residual is not None else x
+    res_in = residual.reshape(-1, hidden).contiguous() if residual is not None else x
     _rms_norm_kernel[(n,)](x, res_in, weight, out, res_out, hidden, eps,
                            HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(hidden))
-    return out if residual is None else (out, res_out)
+    return out.view(shape) if residual is None else (out.view(shape), res_out.view(shape))
 
 
 def silu_and_mul(x: torch.Tensor, block: int = 1024) -> torch.Tensor:

@@ -135,9 +135,14 @@ class Engine:
         self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, model_id=config.model)
         self.scheduler = load_plugin("schedulers", config.scheduler)(config, self.kv_manager)
         self.sampler = load_plugin("samplers", config.sampler)(config)
+        backend = get_attention_backend(config.attention_backend, self.device)
+        if backend.name == "triton":  # the whole hot path runs as Triton kernels
+            for module in self.model.modules():
+                if hasattr(module, "use_triton"):
+                    module.use_triton = True
         self.runner = ModelRunner(
             self.model, self.kv_pool.kv_caches, config.block_size, self.device, self.sampler,
-            get_attention_backend(config.attention_backend, self.device), hf_config.vocab_size,
+            backend, hf_config.vocab_size,
         )
         self.eos_token_ids = self._eos_token_ids()
         self._requests: dict[str, _UserRequest] = {}

@@ -35,6 +35,12 @@ def test_rms_norm_with_and_without_residual(dtype, hidden):
     torch.testing.assert_close(out, ref_out, rtol=TOL[dtype][0], atol=TOL[dtype][1])
 
 
+def test_rms_norm_over_heads():
+    """Qwen3 normalizes q and k per head: [n, heads, head_dim] rows."""
+    x, w = _rand(3, 7, 16), _rand(16, seed=1)
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-6), ops.rms_norm_ref(x, w, 1e-6), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul(dtype):
     x = _rand(4, 2 * 80, dtype=dtype)

@@ -7,6 +7,9 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
+    #: run the Triton kernel (set on GPU workers by the engine; same function)
+    use_triton = False
+
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
@@ -14,6 +17,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """x [n, hidden] → norm(x), or with a residual: (norm(x + residual), x + residual)."""
+        if self.use_triton:
+            from pagedserve.kernels.triton_ops import rms_norm
+
+            return rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual
             residual = x

@@ -46,6 +46,9 @@ def inverse_frequencies(head_dim: int, params: dict) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """Applies rotary embedding to q and k from a cos/sin table indexed by position."""
 
+    #: run the Triton kernel (set on GPU workers by the engine; same function)
+    use_triton = False
+
     def __init__(self, head_dim: int, max_positions: int, params: dict, dtype: torch.dtype):
         super().__init__()
         inv_freq = inverse_frequencies(head_dim, params)
@@ -56,6 +59,10 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """positions [n]; q [n, heads, head_dim], k [n, kv_heads, head_dim] → rotated q, k."""
+        if self.use_triton:
+            from pagedserve.kernels.triton_ops import rotary
+
+            return rotary(positions, q, self.cos, self.sin), rotary(positions, k, self.cos, self.sin)
         cos = self.cos[positions].unsqueeze(1)  # [n, 1, head_dim]
         sin = self.sin[positions].unsqueeze(1)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

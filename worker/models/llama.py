@@ -49,6 +49,9 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderMLP(nn.Module):
+    #: run the Triton SiLU-and-mul kernel (set on GPU workers by the engine; same function)
+    use_triton = False
+
     def __init__(self, cfg):
         super().__init__()
         self.intermediate_size = cfg.intermediate_size
@@ -56,6 +59,10 @@ class DecoderMLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
+        if self.use_triton:
+            from pagedserve.kernels.triton_ops import silu_and_mul
+
+            return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate).mul_(up))  # in place: one [n, intermediate] buffer less
 
