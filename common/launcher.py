@@ -55,7 +55,7 @@ def wait_for_workers(redis_url: str, procs: list[subprocess.Popen], timeout: flo
     deadline = time.monotonic() + timeout
     try:
         while time.monotonic() < deadline:
-            if client.zcount(q.WORKERS, int(time.time()), "+inf") >= len(procs):
+            if client.zcount(q.WORKERS, time.time(), "+inf") >= len(procs):
                 return
             if any(p.poll() is not None for p in procs):
                 raise RuntimeError("a worker exited while loading; see the log above")

@@ -42,7 +42,9 @@ def worker_key(worker_id: str) -> str:
 #: could never run; the gateway bounds prompt sizes on its own.
 ADMIT = """
 local now = redis.call('TIME')
-if redis.call('ZCOUNT', KEYS[4], now[1], '+inf') == 0 then return {0, 'no_worker'} end
+if redis.call('ZCOUNT', KEYS[4], tonumber(now[1]) + tonumber(now[2]) / 1e6, '+inf') == 0 then
+  return {0, 'no_worker'}
+end
 local queued = tonumber(redis.call('GET', KEYS[2]) or '0')
 local tokens = tonumber(redis.call('GET', KEYS[3]) or '0')
 local n = tonumber(ARGV[3])
@@ -80,13 +82,14 @@ return 1
 #: of workers that stopped beating. Entries another worker has taken are returned: the
 #: caller aborts them. Entries gone from the queue (Redis restarted empty) are not: their
 #: worker keeps writing their output, which the gateway still reads. KEYS: requests, workers, worker info key. ARGV: group, consumer,
-#: ttl seconds, info, entry ids...
+#: ttl in milliseconds, info, entry ids...
 HEARTBEAT = """
 local now = redis.call('TIME')
-local ttl = tonumber(ARGV[3])
-redis.call('ZADD', KEYS[2], tonumber(now[1]) + ttl, ARGV[2])
-redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', tonumber(now[1]) - 3600)
-redis.call('SET', KEYS[3], ARGV[4], 'EX', ttl)
+local t = tonumber(now[1]) + tonumber(now[2]) / 1e6
+local ttl_ms = tonumber(ARGV[3])
+redis.call('ZADD', KEYS[2], t + ttl_ms / 1000, ARGV[2])
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', t - 3600)
+redis.call('SET', KEYS[3], ARGV[4], 'PX', ttl_ms)
 local lost = {}
 for i = 5, #ARGV do
   local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)

@@ -55,8 +55,7 @@ class QueueClient:
             return False
 
     async def live_workers(self) -> list[WorkerInfo]:
-        now = int(time.time())
-        ids = await self.redis.zrangebyscore(q.WORKERS, now, "+inf")
+        ids = await self.redis.zrangebyscore(q.WORKERS, time.time(), "+inf")
         if not ids:
             return []
         infos = await self.redis.mget([q.worker_key(i.decode()) for i in ids])

@@ -7,12 +7,15 @@ that layout once per step; every layer reuses it.
 
 from __future__ import annotations
 
+import logging
 import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -70,8 +73,15 @@ def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
             return TorchAttentionBackend()
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise RuntimeError("the triton attention backend needs a CUDA device (or TRITON_INTERPRET=1 to test it on CPU)")
-        from pagedserve.kernels.triton_attention import TritonAttentionBackend
+        from pagedserve.kernels.triton_attention import TritonAttentionBackend, self_check
 
+        if name == "auto":
+            # The default must not fail on a GPU or Triton version the kernels were never
+            # compiled for: they are checked once against the torch reference.
+            problem = self_check(device)
+            if problem is not None:
+                logger.warning("Triton kernels failed their self-check (%s); using the torch backend", problem)
+                return TorchAttentionBackend()
         return TritonAttentionBackend()
     if name in ("auto", "cpu") and device.type == "cpu":
         from pagedserve.kernels.cpu_attention import CPUAttentionBackend, cpu_kernels

@@ -192,3 +192,46 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: Atten
             HEAD_DIM_P2=triton.next_power_of_2(head_dim), NUM_SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits),
         )
     return out
+
+
+def self_check(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str | None:
+    """Run the Triton kernels once on a small mixed batch and compare them with the torch
+    reference. Returns None when they agree, else why not (so `auto` can fall back)."""
+    from pagedserve.kernels.torch_attention import TorchAttentionBackend
+
+    try:
+        g = torch.Generator().manual_seed(0)
+        heads, kv_heads, head_dim, block_size = 8, 2, 64, 16
+        query_lens, seq_lens = [1, 1, 20], [37, 5, 20]  # two decodes, one fresh prefill
+        tables = [[0, 1, 2], [3, 0, 0], [4, 5, 0]]
+        slots = [tables[i][p // block_size] * block_size + p % block_size
+                 for i, (q, s) in enumerate(zip(query_lens, seq_lens)) for p in range(s - q, s)]
+
+        def rand(*shape):
+            return torch.randn(*shape, generator=g).to(device, dtype)
+
+        n = sum(query_lens)
+        query, key, value = rand(n, heads, head_dim), rand(n, kv_heads, head_dim), rand(n, kv_heads, head_dim)
+        cache = rand(2, 7, block_size, kv_heads, head_dim)
+        outs = []
+        for backend in (TorchAttentionBackend(), TritonAttentionBackend(num_splits=2)):
+            metadata = AttentionMetadata(
+                slot_mapping=torch.tensor(slots, device=device),
+                query_start_loc=torch.tensor([0, 1, 2, n], dtype=torch.int32, device=device),
+                seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+                block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
+                num_decodes=2, max_seq_len=max(seq_lens), query_lens_cpu=query_lens, seq_lens_cpu=seq_lens)
+            backend.prepare(metadata, block_size)
+            outs.append(backend.forward(query, key, value, cache.clone(), metadata, head_dim**-0.5).float())
+        x, w = rand(5, 96), rand(96)
+        checks = {
+            "paged attention": (outs[1], outs[0]),
+            "rms_norm": (triton_ops.rms_norm(x, w, 1e-6, x)[0], triton_ops.rms_norm_ref(x, w, 1e-6, x)[0]),
+            "silu_and_mul": (triton_ops.silu_and_mul(x), triton_ops.silu_and_mul_ref(x)),
+        }
+        for name, (got, want) in checks.items():
+            if not torch.allclose(got.float(), want.float(), atol=5e-2, rtol=5e-2):
+                return f"{name} disagrees with the torch reference"
+    except Exception as exc:  # noqa: BLE001 - any failure means: do not use these kernels
+        return f"{type(exc).__name__}: {exc}"
+    return None

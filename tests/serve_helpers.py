@@ -49,7 +49,7 @@ class LiveServer:
         raise TimeoutError("the server did not become ready")
 
     def workers(self) -> list[WorkerInfo]:
-        ids = self.redis.zrangebyscore(q.WORKERS, int(time.time()), "+inf")
+        ids = self.redis.zrangebyscore(q.WORKERS, time.time(), "+inf")
         infos = self.redis.mget([q.worker_key(i.decode()) for i in ids]) if ids else []
         return [decode_worker_info(x) for x in infos if x]
 

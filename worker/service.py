@@ -380,12 +380,12 @@ class WorkerService:
         )
 
     def _heartbeat_loop(self) -> None:
-        ttl = max(1, int(round(self.config.worker_timeout)))
+        ttl_ms = int(self.config.worker_timeout * 1000)
         while not self._stop.is_set():
             owned = self._owned
             try:
                 lost = self._heartbeat_script(keys=[q.REQUESTS, q.WORKERS, q.worker_key(self.worker_id)],
-                                              args=[q.GROUP, self.worker_id, ttl, encode(self.info()), *owned])
+                                              args=[q.GROUP, self.worker_id, ttl_ms, encode(self.info()), *owned])
                 for entry_id in lost:
                     self._lost.put(entry_id.decode())
             except redis.ResponseError as exc:

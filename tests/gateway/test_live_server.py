@@ -41,7 +41,7 @@ def redis_server():
 @pytest.fixture(scope="module")
 def server(model_dir, redis_server):
     live = LiveServer(model_dir, redis_server.url, "--num-workers", "2", "--max-num-seqs", "2",
-                      "--max-queued-requests", "2", "--heartbeat-interval", "0.5", "--worker-timeout", "3",
+                      "--max-queued-requests", "2", "--heartbeat-interval", "0.5", "--worker-timeout", "5",
                       "--max-body-bytes", "200000", "--drain-timeout", "60")
     try:
         yield live.wait_ready()
@@ -333,6 +333,7 @@ def test_sigterm_drains(server, llm):
     text = ""
     with httpx.Client(timeout=120) as http, http.stream(
             "POST", server.base_url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}) as response:
+        assert response.status_code == 200, response.read()
         events = _sse_events(response)
         text += next(events)["choices"][0]["text"]
         server.process.send_signal(signal.SIGTERM)

@@ -45,6 +45,14 @@ def test_triton_paged_attention(shape, dtype, num_splits):
     assert torch.equal(kv_cache, kv_ref)
 
 
+def test_self_check_passes_and_catches_a_broken_kernel(monkeypatch):
+    from pagedserve.kernels import triton_attention, triton_ops
+
+    assert triton_attention.self_check(torch.device("cpu"), torch.float32) is None
+    monkeypatch.setattr(triton_ops, "silu_and_mul", lambda x: triton_ops.silu_and_mul_ref(x) + 1)
+    assert triton_attention.self_check(torch.device("cpu"), torch.float32) == "silu_and_mul disagrees with the torch reference"
+
+
 def test_engine_on_triton_matches_transformers(tiny_checkpoint):
     """Greedy ids through the whole engine on the Triton backend (chunked prefill beside
     decodes, prefix caching, GQA) equal transformers' own."""
