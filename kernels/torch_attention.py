@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.kernels.attention_backend import AttentionBackend, AttentionMetadata
+from pagedserve.kernels.reference_ops import kv_store_ref
 
 
 @dataclass(slots=True)
@@ -35,11 +36,8 @@ class _TorchPlan:
     prefill_groups: list[_PrefillGroup]
 
 
-def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Reference KV store: cache slot slot_mapping[i] ← key[i], value[i]."""
-    num_kv_heads, head_dim = key.shape[1], key.shape[2]
-    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+#: Reference KV store: cache slot slot_mapping[i] ← key[i], value[i].
+write_kv = kv_store_ref
 
 
 class TorchAttentionBackend(AttentionBackend):

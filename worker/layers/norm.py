@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedserve.kernels.reference_ops import rms_norm_ref
+
 
 class RMSNorm(nn.Module):
     #: run the Triton kernel (set on GPU workers by the engine; same function)
@@ -21,12 +23,4 @@ class RMSNorm(nn.Module):
             from pagedserve.kernels.triton_ops import rms_norm
 
             return rms_norm(x, self.weight, self.eps, residual)
-        if residual is not None:
-            x = x + residual
-            residual = x
-        dtype = x.dtype
-        h = x.float()
-        # Same op order as transformers, so float32 runs match it bit for bit.
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * h.to(dtype)
-        return out if residual is None else (out, residual)
+        return rms_norm_ref(x, self.weight, self.eps, residual)

@@ -7,6 +7,8 @@ import math
 import torch
 from torch import nn
 
+from pagedserve.kernels.reference_ops import apply_rotary
+
 
 def rope_parameters(hf_config) -> dict:
     """The rope settings of a transformers config, old (`rope_scaling`) or new style."""
@@ -63,11 +65,6 @@ class RotaryEmbedding(nn.Module):
             from pagedserve.kernels.triton_ops import rotary
 
             return rotary(positions, q, self.cos, self.sin), rotary(positions, k, self.cos, self.sin)
-        cos = self.cos[positions].unsqueeze(1)  # [n, 1, head_dim]
+        cos = self.cos[positions].unsqueeze(1)  # [n, 1, head_dim], gathered once for q and k
         sin = self.sin[positions].unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
