@@ -9,6 +9,7 @@ consistent. The gateway uses them through redis.asyncio, the worker through redi
     pagedserve:worker:{worker_id}  WorkerInfo, expiring with the heartbeat
     pagedserve:cancel              pub/sub channel of request ids to abort
     pagedserve:cancelled:{id}      set when a request was cancelled before a worker took it
+    pagedserve:admitted:{id}       set at admission, so a retried admission queues nothing
 """
 
 from __future__ import annotations
@@ -31,16 +32,23 @@ def cancelled_key(request_id: str) -> str:
     return f"pagedserve:cancelled:{request_id}"
 
 
+def admitted_key(request_id: str) -> str:
+    return f"pagedserve:admitted:{request_id}"
+
+
 def worker_key(worker_id: str) -> str:
     return f"pagedserve:worker:{worker_id}"
 
 
 #: Admission: one atomic "is there a live worker and room in the queue? then XADD".
-#: KEYS: requests, queued, queued_tokens, workers. ARGV: max_queued, max_queued_tokens,
-#: prompt tokens, message. Returns {1, entry id}, {0, "full"} or {0, "no_worker"}.
+#: KEYS: requests, queued, queued_tokens, workers, admitted marker of this request. ARGV:
+#: max_queued, max_queued_tokens, prompt tokens, message. Returns {1, entry id},
+#: {1, "again"} (a retry of an admitted request: nothing more is queued), {0, "full"} or
+#: {0, "no_worker"}.
 #: A single request larger than the token bound is let in when the queue is empty, or it
 #: could never run; the gateway bounds prompt sizes on its own.
 ADMIT = """
+if redis.call('EXISTS', KEYS[5]) == 1 then return {1, 'again'} end
 local now = redis.call('TIME')
 if redis.call('ZCOUNT', KEYS[4], tonumber(now[1]) + tonumber(now[2]) / 1e6, '+inf') == 0 then
   return {0, 'no_worker'}
@@ -53,6 +61,7 @@ if queued >= tonumber(ARGV[1]) or (queued > 0 and tokens + n > tonumber(ARGV[2])
 end
 redis.call('INCR', KEYS[2])
 redis.call('INCRBY', KEYS[3], n)
+redis.call('SET', KEYS[5], 1, 'EX', 600)
 return {1, redis.call('XADD', KEYS[1], '*', 'm', ARGV[4], 't', ARGV[3])}
 """
 

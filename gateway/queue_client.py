@@ -9,6 +9,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -39,9 +41,13 @@ class ShuttingDown(Exception):
 class QueueClient:
     def __init__(self, redis_url: str, config: ServeConfig):
         self.config = config
-        # Every streaming request holds one connection while it blocks on its output.
-        pool = aioredis.BlockingConnectionPool.from_url(redis_url, max_connections=4096, timeout=10,
-                                                        socket_connect_timeout=2)
+        # Every streaming request holds one connection while it blocks on its output. A pooled
+        # connection that a Redis restart closed fails once and is retried on a new one
+        # (admission is idempotent, so a retried XADD never queues a request twice).
+        pool = aioredis.BlockingConnectionPool.from_url(
+            redis_url, max_connections=4096, timeout=10, socket_connect_timeout=2,
+            retry=Retry(ExponentialBackoff(cap=0.5, base=0.02), 3),
+            retry_on_error=[RedisConnectionError, RedisTimeoutError])
         self.redis = aioredis.Redis(connection_pool=pool)
         self._admit = self.redis.register_script(q.ADMIT)
 
@@ -66,7 +72,8 @@ class QueueClient:
         num_tokens = len(request.prompt_token_ids)
         args = [self.config.max_queued_requests, self.config.max_queued_tokens, num_tokens, encode(request)]
         try:
-            admitted, detail = await self._admit(keys=[q.REQUESTS, q.QUEUED, q.QUEUED_TOKENS, q.WORKERS], args=args)
+            admitted, detail = await self._admit(
+                keys=[q.REQUESTS, q.QUEUED, q.QUEUED_TOKENS, q.WORKERS, q.admitted_key(request.request_id)], args=args)
         except (RedisConnectionError, RedisTimeoutError) as exc:
             raise ServiceUnavailableError(f"the queue is unreachable: {exc}") from None
         if admitted:

@@ -247,3 +247,32 @@ def test_an_error_after_some_tokens(redis_server, redis_client, tokenizer_dir):
         ["id", "object", "created", "model", "choices"], ["error"], "[DONE]"]
     assert json.loads(events[0])["choices"][0]["text"] == "ab"
     assert json.loads(events[1])["error"]["code"] == "engine_error"
+
+
+def test_admission_is_idempotent_and_survives_a_redis_restart():
+    """A pooled connection that a restart closed is retried on a new one; a retried admission
+    of the same request queues nothing more."""
+    import redis
+
+    with EmbeddedRedis() as server:
+        client = redis.Redis.from_url(server.url)
+
+        async def scenario():
+            queue = QueueClient(server.url, ServeConfig())
+            try:
+                _beat(client)
+                await queue.submit(_queued(1, 5))
+                await queue.submit(_queued(1, 5))  # the same request id again
+                assert client.xlen(q.REQUESTS) == 1 and int(client.get(q.QUEUED)) == 1
+                server.stop()
+                server.start()  # same port, empty; the queue's pooled connection is now dead
+                _beat(client)
+                await queue.submit(_queued(2, 5))
+                assert [decode_request(f[b"m"]).request_id for _, f in client.xrange(q.REQUESTS)] == ["r2"]
+            finally:
+                await queue.close()
+
+        try:
+            asyncio.run(scenario())
+        finally:
+            client.close()
