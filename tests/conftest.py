@@ -11,10 +11,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-# Without a GPU the Triton kernels run in Triton's interpreter. The variable is read when
-# a kernel is defined, so it is set before any test imports one.
-if not shutil.which("nvidia-smi"):
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+# In-process tests run the Triton kernels in Triton's interpreter, on CPU tensors, GPU or
+# not (the variable is read when a kernel is defined, so it is set before any test imports
+# one). The `gpu` test runs them compiled, in a subprocess without it.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tiny_models import build_checkpoint  # noqa: E402
 

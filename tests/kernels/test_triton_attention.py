@@ -63,10 +63,40 @@ def test_engine_on_triton_matches_transformers(tiny_checkpoint):
 
     model_dir = tiny_checkpoint("qwen3")  # GQA 7, q/k norms: every Triton kernel runs
     prompts = mixed_prompts(6, seed=3)
-    llm = LLM(str(model_dir), attention_backend="triton", max_num_batched_tokens=48, kv_cache_memory=1 << 22)
+    llm = LLM(str(model_dir), device="cpu", attention_backend="triton", max_num_batched_tokens=48, kv_cache_memory=1 << 22)
     assert isinstance(llm.engine.runner.attention_backend, Backend)
     switched = [m.use_triton for m in llm.engine.model.modules() if hasattr(m, "use_triton")]
     assert len(switched) > 4 and all(switched)  # norms, rotary, MLPs
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert ours == hf_greedy(model_dir, prompts, 6)
+
+
+def _run_gpu_kernels_script(env: dict[str, str]) -> str:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "bench" / "gpu_kernels.py"
+    done = subprocess.run([sys.executable, str(script), "--smoke"], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def test_gpu_kernels_script_on_the_interpreter():
+    """The GPU figures script's own checks, on tiny shapes (CPU twin of the gpu test)."""
+    import os
+
+    out = _run_gpu_kernels_script({**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""})
+    assert "CPU (Triton interpreter)" in out and out.strip().endswith("all checks passed")
+    assert out.count("decode b=2") == 2 and "prefill 1x32" in out
+
+
+@pytest.mark.gpu
+def test_compiled_kernels_match_torch_on_gpu():
+    """The kernels compiled for the GPU agree with the torch backend."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = _run_gpu_kernels_script(env)
+    assert "Triton interpreter" not in out and out.strip().endswith("all checks passed")
