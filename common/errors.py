@@ -42,6 +42,15 @@ class ContextLengthExceededError(PagedServeError):
         self.max_model_len = max_model_len
 
 
+def check_context(num_prompt_tokens: int, max_model_len: int, max_tokens: int | None = None) -> None:
+    """Raise ContextLengthExceededError unless the prompt leaves room for at least one token
+    (and, when given, for max_tokens more)."""
+    if num_prompt_tokens >= max_model_len:
+        raise ContextLengthExceededError(num_prompt_tokens, max_model_len, " (at least one token must be generated)")
+    if max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len:
+        raise ContextLengthExceededError(num_prompt_tokens, max_model_len, f" and max_tokens asks for {max_tokens} more")
+
+
 class UnknownModelError(PagedServeError):
     """A model name that is neither a known alias nor a checkpoint directory."""
 

@@ -14,7 +14,7 @@ import os
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Annotated, Any
@@ -30,11 +30,11 @@ from litestar.response import Stream
 from pagedserve.common.config import ServeConfig
 from pagedserve.common.errors import (
     AuthenticationError,
-    ContextLengthExceededError,
     InvalidParameterError,
     PagedServeError,
     ServiceUnavailableError,
     UnknownModelError,
+    check_context,
 )
 from pagedserve.common.messages import ChoiceDelta, OutputLog, QueuedRequest, WireError
 from pagedserve.common.sampling_params import SamplingParams
@@ -148,10 +148,7 @@ def _check_prompt(state: GatewayState, token_ids: list[int], params: SamplingPar
         raise InvalidParameterError("prompt", f"token ids must be integers in [0, {vocab})")
     if config.max_prompt_tokens is not None and len(token_ids) > config.max_prompt_tokens:
         raise InvalidParameterError("prompt", f"has {len(token_ids)} tokens; this server takes at most {config.max_prompt_tokens}")
-    if len(token_ids) >= limit:
-        raise ContextLengthExceededError(len(token_ids), limit, " (at least one token must be generated)")
-    if params.max_tokens is not None and len(token_ids) + params.max_tokens > limit:
-        raise ContextLengthExceededError(len(token_ids), limit, f" and max_tokens asks for {params.max_tokens} more")
+    check_context(len(token_ids), limit, params.max_tokens)
 
 
 async def _admit(state: GatewayState, request: Request, prompts: list[list[int]], params: SamplingParams,
@@ -308,24 +305,26 @@ async def _serve(state: GatewayState, request: Request, body, prompts: list[list
 
 @post("/v1/completions", status_code=200, summary="Create a completion (OpenAI)")
 async def create_completion(request: Request, data: Annotated[CompletionRequest, _JSON]) -> Response | Stream:
-    state = _state(request)
-    tenant = _authenticate(state, request)
-    _check_model(state, data.model)
-    params = data.sampling_params()
-    prompts = [p if isinstance(p, list) else state.tokenizer.encode(p) for p in data.prompts()]
-    builder = ResponseBuilder("completion", data.model, params.n, len(prompts), data.include_usage, params.logprobs)
-    return await _serve(state, request, data, prompts, params, tenant, builder)
+    return await _handle(request, data, "completion",
+                         lambda tok: [p if isinstance(p, list) else tok.encode(p) for p in data.prompts()])
 
 
 @post("/v1/chat/completions", status_code=200, summary="Create a chat completion (OpenAI)")
 async def create_chat_completion(request: Request, data: Annotated[ChatCompletionRequest, _JSON]) -> Response | Stream:
+    return await _handle(request, data, "chat",
+                         lambda tok: [tok.encode_chat(data.template_messages(), data.add_generation_prompt)])
+
+
+async def _handle(request: Request, data: CompletionRequest | ChatCompletionRequest, kind: str,
+                  prompts_of: Callable[[PromptTokenizer], list[list[int]]]) -> Response | Stream:
+    """What both routes do: auth, model, parameters, prompts, then serve."""
     state = _state(request)
     tenant = _authenticate(state, request)
     _check_model(state, data.model)
     params = data.sampling_params()
-    prompt = state.tokenizer.encode_chat(data.template_messages(), data.add_generation_prompt)
-    builder = ResponseBuilder("chat", data.model, params.n, 1, data.include_usage, params.logprobs)
-    return await _serve(state, request, data, [prompt], params, tenant, builder)
+    prompts = prompts_of(state.tokenizer)
+    builder = ResponseBuilder(kind, data.model, params.n, len(prompts), data.include_usage, params.logprobs)
+    return await _serve(state, request, data, prompts, params, tenant, builder)
 
 
 @get("/v1/models", summary="List the served models (OpenAI)")

@@ -16,7 +16,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from pagedserve.common.config import EngineConfig
-from pagedserve.common.errors import ContextLengthExceededError, InvalidParameterError
+from pagedserve.common.errors import InvalidParameterError, check_context
 from pagedserve.common.model_store import resolve_model
 from pagedserve.common.outputs import (
     CompletionOutput,
@@ -188,8 +188,7 @@ class Engine:
             _token_id_list(params.stop_token_ids, self.hf_config.vocab_size, "stop_token_ids")
         if not token_ids:
             raise InvalidParameterError("prompt", "the prompt is empty")
-        if len(token_ids) >= self.max_model_len:
-            raise ContextLengthExceededError(len(token_ids), self.max_model_len, " (at least one token must be generated)")
+        check_context(len(token_ids), self.max_model_len)  # max_tokens beyond the context is clamped
         room = self.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
 

@@ -92,7 +92,7 @@ class WorkerService:
 
     # -- lifecycle -------------------------------------------------------------------------
     def run(self) -> None:
-        """Serve until stopped (SIGTERM/SIGINT drain, or `stop()`)."""
+        """Serve until drained (SIGTERM/SIGINT, see `drain`)."""
         heartbeat = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         heartbeat.start()
         logger.info("worker %s serving %s (max_model_len %d)", self.worker_id, self.engine.config.model, self.engine.max_model_len)
@@ -121,9 +121,6 @@ class WorkerService:
             self._drain_deadline = time.monotonic() + self.config.drain_timeout
         else:  # a second signal: stop now
             self._drain_deadline = 0.0
-
-    def stop(self) -> None:
-        self._stop.set()
 
     def install_signal_handlers(self) -> None:
         signal.signal(signal.SIGTERM, self.drain)
@@ -256,7 +253,7 @@ class WorkerService:
             return
         self.running[request.request_id] = run
         self.num_taken_over += attempt > 1
-        self._owned = tuple(r.entry_id for r in self.running.values())
+        self._owned_changed()
 
     def _resume_state(self, run: _Running) -> list[ResumedCompletion] | None:
         """Fence off the dead worker, then read what the client has; None if nothing is left."""
@@ -303,10 +300,16 @@ class WorkerService:
         for run in [r for r in self.running.values() if r.request.deadline < now]:
             self._end(run, _timeout_error(self.config))
 
+    def _untrack(self, request_id: str) -> None:
+        self.running.pop(request_id, None)
+        self._owned_changed()
+
+    def _owned_changed(self) -> None:
+        self._owned = tuple(r.entry_id for r in self.running.values())  # one swap: the thread reads it whole
+
     def _forget(self, run: _Running) -> None:
         self.engine.abort_request(run.request.request_id)
-        self.running.pop(run.request.request_id, None)
-        self._owned = tuple(r.entry_id for r in self.running.values())
+        self._untrack(run.request.request_id)
 
     # -- writing outputs ---------------------------------------------------------------------
     def _collect(self, outputs: list[RequestOutput]) -> None:
@@ -336,8 +339,7 @@ class WorkerService:
                 self._outbox.append((run.output_key, encode(Chunk(attempt=run.attempt, deltas=deltas, done=True,
                                                                   error=error, num_cached_tokens=out.num_cached_tokens))))
                 self._acks.append(run.entry_id)
-                self.running.pop(out.request_id, None)
-                self._owned = tuple(r.entry_id for r in self.running.values())
+                self._untrack(out.request_id)
             elif deltas:
                 self._outbox.append((run.output_key, encode(Chunk(attempt=run.attempt, deltas=deltas))))
 
