@@ -33,7 +33,7 @@ if triton is not None:
     def _paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
         tile_seq_ptr, tile_start_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-        scale, num_tokens, num_heads, num_kv_heads, max_blocks_per_seq,
+        scale, num_tokens, num_heads, num_kv_heads, max_blocks_per_seq, min_blocks_per_split,
         GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_FP32: tl.constexpr,
     ):
@@ -63,7 +63,8 @@ if triton is not None:
         # The KV this tile may see ends at its last query; this split takes a share of it.
         kv_end = tl.minimum(seq_len, context_before + tile_start + BLOCK_M)
         num_blocks = tl.cdiv(kv_end, BLOCK_SIZE)
-        per_split = tl.cdiv(num_blocks, NUM_SPLITS)
+        # A fixed split count (CUDA graphs) leaves short contexts on fewer splits, the rest empty.
+        per_split = tl.maximum(tl.cdiv(num_blocks, NUM_SPLITS), min_blocks_per_split)
         block_lo = split * per_split
         block_hi = tl.minimum(block_lo + per_split, num_blocks)
 
@@ -115,7 +116,8 @@ if triton is not None:
         d = tl.arange(0, HEAD_DIM_P2)
         parts = tl.load(part_out_ptr + (s[:, None] * num_tokens * num_heads + row) * HEAD_DIM + d[None, :],
                         mask=(s[:, None] < NUM_SPLITS) & (d[None, :] < HEAD_DIM), other=0.0)
-        out = tl.sum(parts * w[:, None], axis=0) / tl.sum(w, axis=0)
+        total = tl.sum(w, axis=0)  # 0 only for a padding row with no context
+        out = tl.sum(parts * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
         tl.store(out_ptr + row * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
@@ -127,6 +129,8 @@ class _TritonPlan:
     tile_start: torch.Tensor  # [num_tiles] int32: its first query, within the sequence
     block_m: int  # query tokens per tile
     num_splits: int  # KV splits per tile (flash-decoding when > 1)
+    min_blocks_per_split: int = 1  # KV blocks a split takes at least (fewer splits for short contexts)
+    decode_only: bool = False  # every sequence has one query: tiles shrink to fill the dot with heads
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -152,9 +156,22 @@ class TritonAttentionBackend(AttentionBackend):
                 seqs.append(i)
                 starts.append(start)
         device = metadata.slot_mapping.device
-        num_splits = self.num_splits or min(self.max_splits, max(1, -(-metadata.max_seq_len // self.tokens_per_split)))
         metadata.backend_state = _TritonPlan(torch.tensor(seqs, dtype=torch.int32, device=device),
-                                             torch.tensor(starts, dtype=torch.int32, device=device), block_m, num_splits)
+                                             torch.tensor(starts, dtype=torch.int32, device=device), block_m,
+                                             self.splits_for(metadata.max_seq_len),
+                                             decode_only=all(q == 1 for q in metadata.query_lens_cpu))
+
+    def splits_for(self, max_seq_len: int) -> int:
+        return self.num_splits or min(self.max_splits, max(1, -(-max_seq_len // self.tokens_per_split)))
+
+    def decode_plan(self, num_seqs: int, max_model_len: int, block_size: int, device) -> _TritonPlan:
+        """A plan for decode-only batches of `num_seqs` rows that holds for any context up to
+        `max_model_len`: what a CUDA graph captures. The split count is the one the longest
+        context needs; each sequence uses only the splits its own context fills."""
+        min_blocks = 1 if self.num_splits else -(-self.tokens_per_split // block_size)
+        return _TritonPlan(torch.arange(num_seqs, dtype=torch.int32, device=device),
+                           torch.zeros(num_seqs, dtype=torch.int32, device=device), self.block_m,
+                           self.splits_for(max_model_len), min_blocks, decode_only=True)
 
     def forward(self, query, key, value, kv_cache, metadata, scale):
         triton_ops.kv_store(key, value, kv_cache, metadata.slot_mapping)
@@ -177,14 +194,18 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: Atten
     if splits > 1:
         part_out = torch.empty((splits, num_tokens, num_heads, head_dim), dtype=torch.float32, device=query.device)
         part_lse = torch.empty((splits, num_tokens, num_heads), dtype=torch.float32, device=query.device)
+    group_p2 = triton.next_power_of_2(group)
+    # A tile's rows are BLOCK_M query tokens × the group's heads, and tl.dot wants 16 rows. A
+    # decode tile has one real token, so BLOCK_M is only as large as reaching 16 rows needs.
+    block_m = max(1, 16 // group_p2) if plan.decode_only else plan.block_m
     grid = (plan.tile_seq.numel(), num_kv_heads, splits)
     _paged_attention_kernel[grid](
         query, kv_cache[0], kv_cache[1], metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
         plan.tile_seq, plan.tile_start, out, part_out, part_lse,
-        scale, num_tokens, num_heads, num_kv_heads, metadata.block_tables.shape[1],
-        GROUP=group, GROUP_P2=triton.next_power_of_2(group), HEAD_DIM=head_dim,
+        scale, num_tokens, num_heads, num_kv_heads, metadata.block_tables.shape[1], plan.min_blocks_per_split,
+        GROUP=group, GROUP_P2=group_p2, HEAD_DIM=head_dim,
         HEAD_DIM_P2=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_M=plan.block_m, BLOCK_SIZE=block_size, NUM_SPLITS=splits, DOT_FP32=_INTERPRETED,
+        BLOCK_M=block_m, BLOCK_SIZE=block_size, NUM_SPLITS=splits, DOT_FP32=_INTERPRETED,
     )
     if splits > 1:
         _combine_splits_kernel[(num_tokens * num_heads,)](

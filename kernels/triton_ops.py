@@ -80,6 +80,8 @@ if triton is not None:
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < row_size
         slot = tl.load(slot_ptr + token).to(tl.int64)
+        # slot -1: a padding row (CUDA graph batches), nothing to store
+        mask = mask & (tl.zeros([BLOCK], tl.int64) + slot >= 0)
         k = tl.load(k_ptr + token * row_size + cols, mask=mask)
         v = tl.load(v_ptr + token * row_size + cols, mask=mask)
         tl.store(cache_ptr + slot * row_size + cols, k, mask=mask)
@@ -131,7 +133,8 @@ def rotary(positions: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: tor
 
 def kv_store(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
              block: int = 1024) -> None:
-    """Triton version of `kv_store_ref`; kv_cache must be contiguous."""
+    """Triton version of `kv_store_ref`; kv_cache must be contiguous. Tokens whose slot is
+    -1 are skipped (the padding rows of a CUDA graph batch)."""
     _need_triton()
     assert kv_cache.is_contiguous(), "the KV pool is one contiguous tensor per layer"
     n, num_kv_heads, head_dim = key.shape

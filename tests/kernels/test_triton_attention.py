@@ -45,6 +45,33 @@ def test_triton_paged_attention(shape, dtype, num_splits):
     assert torch.equal(kv_cache, kv_ref)
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"), [(6, 2, 64, 16), (8, 1, 128, 32), (4, 4, 64, 16)])
+def test_graph_decode_plan_with_padding_rows(heads, kv_heads, head_dim, block_size):
+    """What a CUDA graph replays: a decode-only plan fixed for the longest context, with a
+    split count the short contexts leave partly empty, and padding rows (context 0, slot -1)
+    after the real ones. The real rows match the reference; the padding rows come out 0."""
+    context_lens = [3 * block_size + 5, 1, 7 * block_size, 2 * block_size - 1]  # 4 real decodes
+    query, key, value, kv_cache, metadata = build_batch([1] * 4, context_lens, heads, kv_heads, head_dim,
+                                                        block_size, torch.float32)
+    expected = dense_reference(query, key, value, kv_cache, metadata, block_size, head_dim**-0.5)
+    pad = 3
+    backend = TritonAttentionBackend(tokens_per_split=2 * block_size, max_splits=4)
+    # the plan holds up to 8 blocks of context: 4 splits of at least 2 blocks each
+    metadata.backend_state = backend.decode_plan(4 + pad, 8 * block_size, block_size, "cpu")
+    assert (metadata.backend_state.num_splits, metadata.backend_state.min_blocks_per_split) == (4, 2)
+    metadata.slot_mapping = torch.cat([metadata.slot_mapping, torch.full((pad,), -1)])
+    metadata.seq_lens = torch.cat([metadata.seq_lens, torch.zeros(pad, dtype=torch.int32)])
+    metadata.query_start_loc = torch.arange(4 + pad + 1, dtype=torch.int32)
+    metadata.block_tables = torch.cat([metadata.block_tables, torch.zeros(pad, metadata.block_tables.shape[1], dtype=torch.int32)])
+    pad_rows = lambda t: torch.cat([t, torch.randn(pad, *t.shape[1:])])  # noqa: E731
+    kv_before = kv_cache.clone()
+    out = backend.forward(pad_rows(query), pad_rows(key), pad_rows(value), kv_cache, metadata, head_dim**-0.5)
+    torch.testing.assert_close(out[:4].double(), expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(out[4:], torch.zeros_like(out[4:]))
+    # only the 4 real slots were written
+    assert int((kv_cache != kv_before).any(dim=-1).any(dim=-1).sum()) == 2 * 4
+
+
 def test_self_check_passes_and_catches_a_broken_kernel(monkeypatch):
     from pagedserve.kernels import triton_attention, triton_ops
 

@@ -78,3 +78,16 @@ def test_kv_store_writes_exactly_the_slots(dtype, block_size, num_kv_heads, head
     torch.testing.assert_close(cache, ref, rtol=0, atol=0, equal_nan=True)
     written = ~cache.isnan().all(dim=-1).all(dim=-1)  # [2, blocks, block_size]
     assert int(written.sum()) == 2 * len(slots)  # nothing else was touched
+
+
+def test_kv_store_skips_padding_slots():
+    """Slot -1 marks a padding row of a CUDA graph batch: nothing is written for it."""
+    cache = torch.full((2, 3, 16, 2, 64), float("nan"), device=DEVICE)
+    ref = cache.clone()
+    slots = torch.tensor([5, -1, 20, -1], device=DEVICE)
+    key, value = _rand(4, 2, 64), _rand(4, 2, 64, seed=1)
+    ops.kv_store(key, value, cache, slots, block=64)
+    real = slots >= 0
+    ops.kv_store_ref(key[real], value[real], ref, slots[real])
+    torch.testing.assert_close(cache, ref, rtol=0, atol=0, equal_nan=True)
+    assert int((~cache.isnan().all(dim=-1).all(dim=-1)).sum()) == 2 * 2
