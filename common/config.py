@@ -14,6 +14,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
 
     model: str = DEFAULT_MODEL  # an alias from `pagedserve models list`, or a checkpoint dir
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: float32 on CPU, bf16 on GPU)
+    load_format: str = "auto"  # auto: the checkpoint's safetensors | dummy: seeded random weights (benchmarks)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     block_size: int = 16  # tokens per KV block
     kv_cache_memory: int | None = None  # bytes for the KV cache; None: from the device
@@ -26,6 +27,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     scheduler: str = "fcfs"  # entry point in pagedserve.schedulers
     sampler: str = "default"  # entry point in pagedserve.samplers
     attention_backend: str = "auto"  # auto (triton on CUDA, cpu on CPU) | torch | cpu | triton
+    enforce_eager: bool = False  # never replay decode steps from CUDA graphs (GPU + triton only)
+    cuda_graph_max_batch: int = 256  # decode batches up to this size (and max_num_seqs) use graphs
     max_n: int = 16  # largest n a request may ask for
     seed: int = 0  # seeds the sampler of requests that give no seed
     num_threads: int | None = None  # torch CPU threads; None: torch's default
@@ -35,10 +38,14 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise InvalidParameterError("block_size", f"must be a power of two, got {self.block_size}")
         if self.max_num_batched_tokens < 1:
             raise InvalidParameterError("max_num_batched_tokens", "must be >= 1")
+        if self.cuda_graph_max_batch < 1:
+            raise InvalidParameterError("cuda_graph_max_batch", "must be >= 1")
         if self.max_num_seqs < 1:
             raise InvalidParameterError("max_num_seqs", "must be >= 1")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise InvalidParameterError("dtype", f"must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise InvalidParameterError("load_format", f"must be auto or dummy, got {self.load_format!r}")
         if self.attention_backend not in ("auto", "torch", "cpu", "triton"):
             raise InvalidParameterError("attention_backend", f"must be auto, torch, cpu or triton, got {self.attention_backend!r}")
         if not 0 < self.gpu_memory_utilization <= 1:

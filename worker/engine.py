@@ -116,7 +116,7 @@ class Engine:
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
-        self.model = load_model(self.model_dir, hf_config, self.dtype, self.device)
+        self.model = load_model(self.model_dir, hf_config, self.dtype, self.device, config.load_format)
 
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
         num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
@@ -144,6 +144,8 @@ class Engine:
             self.model, self.kv_pool.kv_caches, config.block_size, self.device, self.sampler,
             backend, hf_config.vocab_size,
         )
+        if self.device.type == "cuda" and backend.name == "triton" and not config.enforce_eager:
+            self.runner.enable_decode_graphs(min(config.cuda_graph_max_batch, config.max_num_seqs), max_len)
         self.eos_token_ids = self._eos_token_ids()
         self._requests: dict[str, _UserRequest] = {}
         self._sequence_owner: dict[str, tuple[_UserRequest, int]] = {}

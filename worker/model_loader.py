@@ -27,12 +27,32 @@ def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.device):
-    """The `pagedserve.models` plugin named by config.json's `architectures`, with weights."""
+def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.device, load_format: str = "auto"):
+    """The `pagedserve.models` plugin named by config.json's `architectures`, with weights:
+    the checkpoint's (`auto`), or seeded random ones (`dummy`: a config.json and a
+    tokenizer are enough, to measure a model whose weights are not at hand)."""
     architectures = getattr(hf_config, "architectures", None) or []
     if not architectures:
         raise ValueError(f"{model_dir}/config.json names no `architectures`")
     factory = load_plugin("models", architectures[0])
     model = factory(hf_config, dtype=dtype, device=device)
-    model.load_weights(iter_safetensors(model_dir))
+    if load_format == "dummy":
+        dummy_weights(model)
+    else:
+        model.load_weights(iter_safetensors(model_dir))
     return model.eval()
+
+
+@torch.no_grad()
+def dummy_weights(model: torch.nn.Module, seed: int = 0, std: float = 0.02) -> None:
+    """Norm weights 1, biases 0, everything else normal(0, std): the same weights for the
+    same seed on the same kind of device (drawn there, one tensor at a time)."""
+    generators: dict[torch.device, torch.Generator] = {}
+    for name, param in model.named_parameters():
+        g = generators.setdefault(param.device, torch.Generator(param.device).manual_seed(seed))
+        if "norm" in name:
+            param.fill_(1.0)
+        elif name.endswith("bias"):
+            param.zero_()
+        else:
+            param.copy_(torch.randn(param.shape, generator=g, device=param.device).mul_(std))

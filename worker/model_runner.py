@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from pagedserve.kernels.attention_backend import AttentionBackend, AttentionMetadata
+from pagedserve.worker.decode_graphs import DecodeGraphs
 from pagedserve.worker.sampler import SamplerOutput, SamplingMetadata
 from pagedserve.worker.scheduler import SchedulerOutput
 
@@ -29,6 +30,19 @@ class RunnerOutput:
     logprobs: list[SampledLogprobs | None] | None  # None when no request asked for logprobs
 
 
+@dataclass(slots=True)
+class _Layout:
+    input_ids: list[int]  # [num_tokens]
+    positions: np.ndarray  # [num_tokens] int64
+    slots: np.ndarray  # [num_tokens] int64
+    query_lens: list[int]  # [num_seqs]
+    seq_lens: list[int]  # [num_seqs]: context length after this step
+    block_tables: np.ndarray  # [num_seqs, max_blocks] int32
+    num_decodes: int
+    sample_rows: list[int]  # token rows whose logits are sampled
+    sample_entries: list[int]  # their entries in SchedulerOutput.scheduled
+
+
 class ModelRunner:
     def __init__(self, model, kv_caches: list[torch.Tensor], block_size: int, device: torch.device,
                  sampler, attention_backend: AttentionBackend, vocab_size: int):
@@ -39,6 +53,13 @@ class ModelRunner:
         self.sampler = sampler
         self.attention_backend = attention_backend
         self.vocab_size = vocab_size
+        self.decode_graphs: DecodeGraphs | None = None
+
+    def enable_decode_graphs(self, max_batch: int, max_model_len: int, cuda_graphs: bool = True) -> None:
+        """Run decode-only steps of up to `max_batch` sequences from CUDA graphs (see
+        worker/decode_graphs.py; `cuda_graphs=False` runs the same padded path eagerly)."""
+        self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.attention_backend, self.block_size,
+                                          max_batch, max_model_len, self.device, cuda_graphs)
 
     @torch.inference_mode()
     def run(self, output: SchedulerOutput) -> RunnerOutput:
@@ -46,8 +67,15 @@ class ModelRunner:
         # Decodes (one query token) go first: the attention backends batch them.
         order = [i for i, e in enumerate(entries) if e.num_new_tokens == 1]
         order += [i for i, e in enumerate(entries) if e.num_new_tokens != 1]
-        input_ids, positions, metadata, sample_rows, sample_entries = self._prepare(entries, order)
-        hidden = self.model(input_ids, positions, metadata, self.kv_caches)  # [num_tokens, hidden]
+        layout = self._layout(entries, order)
+        graphs = self.decode_graphs
+        if graphs is not None and layout.num_decodes == len(order) <= graphs.max_batch:
+            hidden = graphs.run(layout.input_ids, layout.positions, layout.slots, layout.seq_lens, layout.block_tables)
+        else:
+            input_ids, positions, metadata = self._tensors(layout)
+            hidden = self.model(input_ids, positions, metadata, self.kv_caches)  # [num_tokens, hidden]
+        sample_entries = layout.sample_entries
+        sample_rows = torch.tensor(layout.sample_rows, dtype=torch.long, device=self.device)
         sampled: list[int | None] = [None] * len(entries)
         logprobs: list[SampledLogprobs | None] | None = None
         if sample_entries:
@@ -59,7 +87,8 @@ class ModelRunner:
             logprobs = self._logprobs(result, requests, sample_entries, len(entries))
         return RunnerOutput(sampled, logprobs)
 
-    def _prepare(self, entries, order):
+    def _layout(self, entries, order) -> _Layout:
+        """The step's flat batch on the host (decodes first, in `order`)."""
         bs = self.block_size
         num_seqs = len(order)
         query_lens = [entries[i].num_new_tokens for i in order]
@@ -85,25 +114,28 @@ class ModelRunner:
             if end == request.num_tokens:  # the prompt is done: this step yields a token
                 sample_rows.append(offset - 1)
                 sample_entries.append(i)
+        return _Layout(ids, np.concatenate(pos_parts), np.concatenate(slot_parts), query_lens, seq_lens, block_tables,
+                       sum(1 for n in query_lens if n == 1), sample_rows, sample_entries)
+
+    def _tensors(self, layout: _Layout):
+        """Input ids, positions and attention metadata on the device, for an eager forward."""
         dev = self.device
-        query_start = np.zeros(num_seqs + 1, dtype=np.int32)
-        np.cumsum(query_lens, out=query_start[1:])
+        query_start = np.zeros(len(layout.query_lens) + 1, dtype=np.int32)
+        np.cumsum(layout.query_lens, out=query_start[1:])
         metadata = AttentionMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slot_parts)).to(dev),
+            slot_mapping=torch.from_numpy(layout.slots).to(dev),
             query_start_loc=torch.from_numpy(query_start).to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.from_numpy(block_tables).to(dev),
-            num_decodes=sum(1 for n in query_lens if n == 1),
-            max_seq_len=max(seq_lens),
-            query_lens_cpu=query_lens,
-            seq_lens_cpu=seq_lens,
+            seq_lens=torch.tensor(layout.seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.from_numpy(layout.block_tables).to(dev),
+            num_decodes=layout.num_decodes,
+            max_seq_len=max(layout.seq_lens),
+            query_lens_cpu=layout.query_lens,
+            seq_lens_cpu=layout.seq_lens,
             backend=self.attention_backend,
         )
-        self.attention_backend.prepare(metadata, bs)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        positions = torch.from_numpy(np.concatenate(pos_parts)).to(dev)
-        rows = torch.tensor(sample_rows, dtype=torch.long, device=dev)
-        return input_ids, positions, metadata, rows, sample_entries
+        self.attention_backend.prepare(metadata, self.block_size)
+        input_ids = torch.tensor(layout.input_ids, dtype=torch.long, device=dev)
+        return input_ids, torch.from_numpy(layout.positions).to(dev), metadata
 
     def _sampling_metadata(self, requests) -> SamplingMetadata:
         params = [r.sampling_params for r in requests]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
 import torch
 
 from pagedserve import LLM, SamplingParams
@@ -55,3 +56,27 @@ def test_logprobs_report_the_sampled_token_and_top_n(tiny_checkpoint):
     assert [t.token_id for t in first.top] == expected.topk(2).indices.tolist()
     assert math.isclose(first.sampled.logprob, float(expected.max()), abs_tol=1e-4)
     assert first.top[0].token == llm.get_tokenizer().decode([first.top[0].token_id])
+
+
+def test_dummy_load_format_needs_no_weights(tiny_checkpoint, tmp_path):
+    """`load_format="dummy"`: config.json and a tokenizer are enough; the weights are seeded
+    random ones, the same on every load, and generation runs on them."""
+    import shutil
+
+    src = tiny_checkpoint("llama-gqa")
+    bare = tmp_path / "bare"
+    shutil.copytree(src, bare, ignore=shutil.ignore_patterns("*.safetensors*"))
+    assert not list(bare.glob("*.safetensors"))
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    runs = []
+    for _ in range(2):
+        llm = LLM(str(bare), load_format="dummy", kv_cache_memory=1 << 20)
+        model = llm.engine.model
+        assert torch.equal(model.layers[0].input_layernorm.weight, torch.ones(96))
+        std = float(model.layers[1].mlp.down_proj.weight.std())
+        assert 0.019 < std < 0.021
+        runs.append(([p.clone() for p in model.parameters()], llm.generate([[5, 6, 7]], params)[0].outputs[0].token_ids))
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][0], runs[1][0]))
+    assert runs[0][1] == runs[1][1] and len(runs[0][1]) == 5
+    with pytest.raises(FileNotFoundError, match="no safetensors"):
+        LLM(str(bare), kv_cache_memory=1 << 20)

@@ -1,0 +1,53 @@
+"""Decode steps through the CUDA-graph path: static buffers, batches padded up to a bucket,
+a plan fixed for the longest context. On CPU the path runs eagerly (no CUDA graphs exist
+there) in Triton's interpreter; the capture itself is checked by bench/gpu_e2e.py on a GPU."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("triton")
+
+from pagedserve.worker.decode_graphs import batch_buckets  # noqa: E402
+
+from engine_helpers import assert_pool_clean, hf_greedy, mixed_prompts  # noqa: E402
+
+
+def test_batch_buckets():
+    assert batch_buckets(1) == [1]
+    assert batch_buckets(5) == [1, 2, 4, 5]
+    assert batch_buckets(16) == [1, 2, 4, 8, 16]
+    assert batch_buckets(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert batch_buckets(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+
+
+def test_padded_decode_steps_match_transformers(tiny_checkpoint):
+    """Five requests of different lengths: decode batches of 5, 4, 3, 2 and 1 run padded to
+    buckets 8, 4, 4, 2 and 1; every token equals transformers' greedy one, and the padding
+    rows leave the KV pool as they found it."""
+    from pagedserve import LLM, SamplingParams
+
+    model_dir = tiny_checkpoint("llama-gqa")
+    prompts = mixed_prompts(10, seed=11)[:5]  # the first half share no prefix: one prefill step for all
+    llm = LLM(str(model_dir), device="cpu", attention_backend="triton", max_num_seqs=8, kv_cache_memory=1 << 22)
+    runner = llm.engine.runner
+    runner.enable_decode_graphs(max_batch=8, max_model_len=llm.engine.max_model_len, cuda_graphs=False)
+    graphs = runner.decode_graphs
+    assert graphs.buckets == [1, 2, 4, 8]
+    lengths = [3, 5, 7, 9, 11]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
+    ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    expected = hf_greedy(model_dir, prompts, max(lengths))
+    assert ours == [e[:n] for e, n in zip(expected, lengths)]
+    # after the prefill step (which yields each first token), the decode batch shrinks by one
+    # request every two steps: 2 steps of 5 → bucket 8, 2 of 4 and 2 of 3 → 4, 2 of 2 → 2, 2 of 1 → 1
+    assert graphs.replays == {8: 2, 4: 4, 2: 2, 1: 2}
+    assert_pool_clean(llm.engine)
+
+
+def test_graphs_refuse_a_backend_without_a_fixed_plan(tiny_checkpoint):
+    from pagedserve import LLM
+
+    llm = LLM(str(tiny_checkpoint("llama-gqa")), device="cpu", attention_backend="torch", kv_cache_memory=1 << 22)
+    with pytest.raises(ValueError, match="cannot run from CUDA graphs"):
+        llm.engine.runner.enable_decode_graphs(max_batch=4, max_model_len=64, cuda_graphs=False)
