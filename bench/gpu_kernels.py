@@ -10,7 +10,7 @@
   on the same shapes (target >= 0.8x).
 Every timed case is first checked against the torch backend.
 
-Not here yet: the end-to-end Llama-3-8B-shaped decode against transformers.
+The end-to-end figures (a Llama-3-8B-shaped model against transformers) are bench/gpu_e2e.py's.
 """
 
 from __future__ import annotations
