@@ -71,7 +71,7 @@ def test_prefill_logits_match_transformers(tiny_checkpoint, model_name):
     request = Request("r", prompt, SamplingParams(), frozenset(), max_tokens=1)
     assert engine.kv_manager.allocate_slots(request, len(prompt))
     entries = [ScheduledRequest(request, len(prompt))]
-    input_ids, positions, metadata, _, _ = engine.runner._prepare(entries, [0])
+    input_ids, positions, metadata = engine.runner._tensors(engine.runner._layout(entries, [0]))
     with torch.inference_mode():
         logits = engine.model.compute_logits(engine.model(input_ids, positions, metadata, engine.kv_pool.kv_caches))
     assert logits.shape == expected.shape
