@@ -37,6 +37,10 @@ def batch_buckets(max_batch: int) -> list[int]:
     return sorted(set(sizes) | {max_batch})
 
 
+class GraphCaptureError(RuntimeError):
+    """Capturing a CUDA graph failed; the runner goes on without graphs."""
+
+
 @dataclass(slots=True)
 class _Graph:
     graph: torch.cuda.CUDAGraph | None  # None: replay by running `forward` again
@@ -108,7 +112,10 @@ class DecodeGraphs:
         if not self.cuda_graphs:
             graph = _Graph(None, forward, None)
         else:
-            graph = self._capture_cuda(forward, bucket)
+            try:
+                graph = self._capture_cuda(forward, bucket)
+            except Exception as exc:
+                raise GraphCaptureError(f"{type(exc).__name__}: {exc}") from exc
         self._graphs[bucket] = graph
         return graph
 

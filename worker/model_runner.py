@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from pagedserve.kernels.attention_backend import AttentionBackend, AttentionMetadata
-from pagedserve.worker.decode_graphs import DecodeGraphs
+from pagedserve.worker.decode_graphs import DecodeGraphs, GraphCaptureError
 from pagedserve.worker.sampler import SamplerOutput, SamplingMetadata
 from pagedserve.worker.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -69,9 +72,15 @@ class ModelRunner:
         order += [i for i, e in enumerate(entries) if e.num_new_tokens != 1]
         layout = self._layout(entries, order)
         graphs = self.decode_graphs
+        hidden = None
         if graphs is not None and layout.num_decodes == len(order) <= graphs.max_batch:
-            hidden = graphs.run(layout.input_ids, layout.positions, layout.slots, layout.seq_lens, layout.block_tables)
-        else:
+            try:
+                hidden = graphs.run(layout.input_ids, layout.positions, layout.slots, layout.seq_lens,
+                                    layout.block_tables)
+            except GraphCaptureError as exc:  # never let graphs take the worker down: run eagerly
+                logger.warning("CUDA graph capture failed (%s); decode steps run eagerly from now on", exc)
+                self.decode_graphs = None
+        if hidden is None:
             input_ids, positions, metadata = self._tensors(layout)
             hidden = self.model(input_ids, positions, metadata, self.kv_caches)  # [num_tokens, hidden]
         sample_entries = layout.sample_entries

@@ -51,3 +51,20 @@ def test_graphs_refuse_a_backend_without_a_fixed_plan(tiny_checkpoint):
     llm = LLM(str(tiny_checkpoint("llama-gqa")), device="cpu", attention_backend="torch", kv_cache_memory=1 << 22)
     with pytest.raises(ValueError, match="cannot run from CUDA graphs"):
         llm.engine.runner.enable_decode_graphs(max_batch=4, max_model_len=64, cuda_graphs=False)
+
+
+def test_a_failed_capture_falls_back_to_eager(tiny_checkpoint, caplog):
+    """A capture that fails (here: CUDA graphs asked for on a CPU) is logged once; that step
+    and every later one run eagerly, with the same tokens."""
+    from pagedserve import LLM, SamplingParams
+
+    model_dir = tiny_checkpoint("llama-gqa")
+    prompts = mixed_prompts(4, seed=2)[:2]
+    llm = LLM(str(model_dir), device="cpu", attention_backend="triton", kv_cache_memory=1 << 22)
+    llm.engine.runner.enable_decode_graphs(max_batch=4, max_model_len=llm.engine.max_model_len, cuda_graphs=True)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    with caplog.at_level("WARNING", logger="pagedserve.worker.model_runner"):
+        ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert ours == hf_greedy(model_dir, prompts, 4)
+    assert llm.engine.runner.decode_graphs is None
+    assert len([r for r in caplog.records if "CUDA graph capture failed" in r.message]) == 1
