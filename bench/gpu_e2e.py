@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -177,19 +176,17 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="a tiny model, to check the script itself")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cpu":
-        if not args.smoke:
-            print("no GPU: run with --smoke to check the script on a tiny model", file=sys.stderr)
-            return 2
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    from gpu_kernels import copy_bandwidth
+    from gpu_kernels import copy_bandwidth, pick_device
+
+    picked = pick_device(args.smoke)
+    if picked is None:
+        return 2
+    device, name = picked
 
     if args.smoke:
         shape, batches, prompt_len, out_len, kv_bytes, copy_bytes = TINY, [1, 4], 16, 8, 1 << 24, 1 << 20
     else:
         shape, batches, prompt_len, out_len, kv_bytes, copy_bytes = LLAMA3_8B, [1, 64], 128, 128, 8 << 30, 1 << 30
-    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (Triton interpreter)"
     copy_bw = copy_bandwidth(device, copy_bytes, 3 if args.smoke else 20)
     print(f"device: {name}; torch {torch.__version__}; copy bandwidth {copy_bw / 1e9:.0f} GB/s")
     with tempfile.TemporaryDirectory() as tmp:

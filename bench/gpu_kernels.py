@@ -89,16 +89,26 @@ def _check(query, key, value, cache, meta, block_size, scale) -> float:
     return (outs[0] - outs[1]).abs().max().item()
 
 
+def pick_device(smoke: bool) -> tuple[torch.device, str] | None:
+    """The GPU, or without one the CPU under Triton's interpreter, which only --smoke may use
+    (None then, after saying so). Call before importing any kernel."""
+    if torch.cuda.is_available():
+        return torch.device("cuda"), torch.cuda.get_device_name()
+    if not smoke:
+        print("no GPU: run with --smoke to check the script on tiny shapes", file=sys.stderr)
+        return None
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    return torch.device("cpu"), "CPU (Triton interpreter)"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script itself")
     args = parser.parse_args()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cpu":
-        if not args.smoke:
-            print("no GPU: run with --smoke to check the script on tiny shapes", file=sys.stderr)
-            return 2
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+    picked = pick_device(args.smoke)
+    if picked is None:
+        return 2
+    device, name = picked
     from pagedserve.kernels.triton_attention import TritonAttentionBackend, paged_attention
 
     if args.smoke:
@@ -109,7 +119,6 @@ def main() -> int:
         contexts, prefill_lens, copy_bytes, repeat = [1024, 2048, 4096, 8192], [1024, 2048, 4096], 1 << 30, 20
     dtype = torch.bfloat16
     scale = head_dim**-0.5
-    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (Triton interpreter)"
     copy_bw = copy_bandwidth(device, copy_bytes, repeat)
     print(f"device: {name}; torch {torch.__version__}; copy bandwidth {copy_bw / 1e9:.0f} GB/s")
     print(f"{'case':34}{'max |diff|':>12}{'time ms':>10}{'figure':>22}")

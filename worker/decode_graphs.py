@@ -120,11 +120,8 @@ class DecodeGraphs:
         return graph
 
     def _capture_cuda(self, forward, bucket: int) -> _Graph:
-        # The step's real inputs are in the buffers: keep them, and capture on padding only,
-        # so the warm-up and capture runs write nothing into the KV cache.
-        saved = [t[:bucket].clone() for t in (self.input_ids, self.positions, self.slot_mapping, self.seq_lens)]
-        self.slot_mapping[:bucket].fill_(-1)
-        self.seq_lens[:bucket].zero_()
+        # The buffers hold this step's inputs: the warm-up run stores this step's K/V, which
+        # the replay then stores again, the same values (capturing itself runs nothing).
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
@@ -134,7 +131,5 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=self._pool):
             output = forward()
         self._pool = graph.pool()  # every bucket's graph shares one memory pool; they never run at once
-        for buffer, value in zip((self.input_ids, self.positions, self.slot_mapping, self.seq_lens), saved):
-            buffer[:bucket].copy_(value)
         logger.info("captured a CUDA graph for decode batches of %d", bucket)
         return _Graph(graph, forward, output)

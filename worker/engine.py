@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import operator
+import platform
 import time
 from dataclasses import dataclass
 
@@ -100,8 +101,6 @@ def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
 
 def _native_cpu_bf16() -> bool:
     """False only on an x86 CPU that torch finds without avx512_bf16 and AMX."""
-    import platform
-
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return True  # not known here: no warning
     cpu = getattr(torch, "cpu", None)
