@@ -36,6 +36,7 @@ if triton is not None:
         scale, num_tokens, num_heads, num_kv_heads, max_blocks_per_seq, min_blocks_per_split,
         GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_FP32: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
     ):
         tile = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -81,7 +82,7 @@ if triton is not None:
             if DOT_FP32:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
-            s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # [rows, BLOCK_SIZE]
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * scale  # [rows, BLOCK_SIZE]
             k_pos = b * BLOCK_SIZE + n
             visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < seq_len)
             s = tl.where(visible, s, float("-inf"))
@@ -90,7 +91,7 @@ if triton is not None:
             p = tl.exp(s - m_safe[:, None])
             alpha = tl.exp(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
             m_i = m_new
 
         out = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
@@ -206,6 +207,9 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: Atten
         GROUP=group, GROUP_P2=group_p2, HEAD_DIM=head_dim,
         HEAD_DIM_P2=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_M=block_m, BLOCK_SIZE=block_size, NUM_SPLITS=splits, DOT_FP32=_INTERPRETED,
+        # tl.dot rounds float32 operands to tf32 on a GPU unless told otherwise: a float32
+        # model gets full float32 attention, as torch's own matmuls give it
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
     )
     if splits > 1:
         _combine_splits_kernel[(num_tokens * num_heads,)](

@@ -1,0 +1,143 @@
+"""The Triton kernels compiled for NVIDIA GPUs (sm_80, sm_90) on this machine, GPU or not:
+what the interpreter-run tests cannot show (a construct the compiler refuses, shared memory
+over a GPU's limit, float32 dots rounded to tf32).
+
+The compiler cannot run in a process that imported Triton under TRITON_INTERPRET=1 (as this
+one did), so the compiling parts run in a subprocess without it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from pagedserve.kernels import triton_aot, triton_ops  # noqa: E402
+from pagedserve.kernels.triton_aot import recording  # noqa: E402
+
+KERNELS = {"_paged_attention_kernel", "_combine_splits_kernel", "_kv_store_kernel", "_rms_norm_kernel",
+           "_silu_and_mul_kernel", "_rotary_kernel"}
+TESTS_DIR = Path(__file__).parent.parent
+
+
+def _compiled(*argv: str, script: str | None = None) -> str:
+    """Run `python -m pagedserve.kernels.triton_aot argv`, or `script`, without the interpreter."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(TESTS_DIR), env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, "-c", textwrap.dedent(script)] if script else \
+        [sys.executable, "-m", "pagedserve.kernels.triton_aot", *argv]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+def test_every_engine_kernel_compiles_for_a100_and_h100():
+    out = _compiled("--quick", "--arch", "80,90", "--json")
+    results = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert {r["kernel"] for r in results} == KERNELS
+    # bf16, block size 16, two head layouts, three batch kinds, and the elementwise kernels
+    # once per layout, each specialization once: 17 launches per architecture
+    assert len(results) == 2 * 17
+    for r in results:
+        assert r["error"] is None, r
+        assert 0 <= r["shared_bytes"] <= triton_aot.SHARED_MEMORY_LIMIT[r["arch"]]
+        assert 0 < r["registers"] <= 255
+        assert r["num_warps"] == 4 and r["tf32_dots"] is False
+    assert "34 launches: 34 compiled, 0 refused by the compiler; 0 over the shared memory limit" in out
+    attention = {r["label"].split()[-1]: r["constants"] for r in results
+                 if r["arch"] == 90 and r["kernel"] == "_paged_attention_kernel" and "llama3-8b" in r["label"]}
+    # a prefill tile holds 16 query tokens × 4 heads; a decode tile 4 × 4 (tl.dot's 16 rows)
+    assert attention["mixed"]["BLOCK_M"] == 16 and attention["decode"]["BLOCK_M"] == 4
+    # the CUDA graph plan: the split count fixed for an 8192-token context, compiled in
+    assert attention["graph"]["NUM_SPLITS"] == 8 and attention["mixed"]["NUM_SPLITS"] == 1
+    assert all(c["DOT_FP32"] is False for c in attention.values())  # the interpreter's widening is off
+
+
+def test_recording_runs_nothing_and_sees_the_launch_arguments():
+    backend, query, key, kv_cache, metadata = triton_aot._attention_batch("graph", 32, 8, 128, 16, torch.bfloat16)
+    kv_cache.fill_(3.0)
+    store_kernel = triton_ops._kv_store_kernel
+    with recording() as launches:
+        backend.forward(query, key, key, kv_cache, metadata, 128**-0.5)
+    assert [launch.name for launch in launches] == ["_kv_store_kernel", "_paged_attention_kernel",
+                                                    "_combine_splits_kernel"]
+    assert torch.equal(kv_cache, torch.full_like(kv_cache, 3.0))  # the store did not run
+    assert triton_ops._kv_store_kernel is store_kernel  # the kernels are back
+    signature, constexprs, attrs = triton_aot.signature_of(launches[1])
+    names = triton_aot._jit_function(launches[1].kernel).arg_names
+    index = {name: (i,) for i, name in enumerate(names)}
+    assert signature["q_ptr"] == "*bf16" and signature["block_tables_ptr"] == "*i32"
+    assert signature["part_out_ptr"] == "*fp32" and signature["scale"] == "fp32"
+    # the graph plan's minimum split size (1024 tokens / 16) is a runtime integer, hinted 16-divisible
+    assert signature["min_blocks_per_split"] == "i32" and attrs[index["min_blocks_per_split"]] == [["tt.divisibility", 16]]
+    assert constexprs[index["GROUP"]] == 4 and constexprs[index["NUM_SPLITS"]] == 8
+    assert constexprs[index["DOT_FP32"]] is False and constexprs[index["DOT_PRECISION"]] == "tf32"
+    assert launches[1].grid == (4, 8, 8)  # 4 sequences × 8 KV heads × 8 splits
+
+
+def test_compiling_under_the_interpreter_is_refused():
+    backend, query, key, kv_cache, metadata = triton_aot._attention_batch("decode", 8, 8, 64, 16, torch.float32)
+    with recording() as launches:
+        backend.forward(query, key, key, kv_cache, metadata, 0.125)
+    with pytest.raises(RuntimeError, match="without TRITON_INTERPRET=1"):
+        triton_aot.compile_launch(launches[0], 90)
+
+
+def test_float32_attention_compiles_without_tf32():
+    """tl.dot rounds float32 operands to tf32 on a GPU unless told otherwise; a float32
+    model's attention must not (the interpreter computes in float32 either way)."""
+    out = _compiled(script="""
+        import torch
+        from pagedserve.kernels import triton_aot as aot
+        [launch] = [launch for _, launch in aot.engine_launches(
+            dtypes=(torch.float32,), block_sizes=(16,), layouts=aot.HEAD_LAYOUTS[:1], kinds=("mixed",))
+            if launch.name == "_paged_attention_kernel"]
+        print(launch.kwargs["DOT_PRECISION"], *("tf32" in aot.compile_launch(launch, arch).ptx for arch in (80, 90)))
+        launch.kwargs["DOT_PRECISION"] = "tf32"  # what the kernel compiled to before: the check sees it
+        print("tf32" in aot.compile_launch(launch, 90).ptx)
+    """)
+    assert out.split() == ["ieee", "False", "False", "True"]
+
+
+def test_a_construct_the_interpreter_runs_but_the_compiler_refuses_is_reported():
+    from triton_samples import first_negative
+
+    x, out = torch.tensor([3.0, 1.0, -2.0, -5.0]), torch.zeros(1, dtype=torch.int32)
+    first_negative[(1,)](x, out, 4)
+    assert out.item() == 2  # the interpreter ran it
+    printed = _compiled(script="""
+        import torch
+        from pagedserve.kernels import triton_aot as aot
+        from triton_samples import first_negative
+        x, out = torch.tensor([3.0, 1.0, -2.0, -5.0]), torch.zeros(1, dtype=torch.int32)
+        result = aot.compile_launch(aot.Launch(first_negative, (1,), (x, out, 4), {}), 90)
+        print(result.error)
+        print(aot.summary([result]))
+    """).splitlines()
+    assert printed[0].startswith("UnsupportedLanguageConstruct: unsupported AST node type: Break (at 6:12:")
+    assert printed[1].startswith("1 launches: 0 compiled, 1 refused by the compiler;")
+
+
+def test_shared_memory_over_the_limit_is_flagged():
+    printed = _compiled(script="""
+        import torch
+        from pagedserve.kernels import triton_aot as aot
+        [launch] = [launch for _, launch in aot.engine_launches(
+            dtypes=(torch.bfloat16,), block_sizes=(16,), layouts=aot.HEAD_LAYOUTS[:1], kinds=("mixed",))
+            if launch.name == "_paged_attention_kernel"]
+        result = aot.compile_launch(launch, 90)
+        print(result.notes, result.shared_bytes > 1024)
+        aot.SHARED_MEMORY_LIMIT[90] = 1024
+        result = aot.compile_launch(launch, 90)
+        print(result.notes[0] == f"needs {result.shared_bytes} B of shared memory, sm_90 has 1024")
+        print(aot.summary([result]))
+    """).splitlines()
+    assert printed[:2] == ["[] True", "True"]
+    assert "1 compiled, 0 refused by the compiler; 1 over the shared memory limit" in printed[2]
