@@ -47,6 +47,9 @@ SHARED_MEMORY_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1
 #: Constants the wrappers set for the interpreter that a compiled kernel never sees.
 _COMPILED_CONSTANTS = {"DOT_FP32": False}  # the interpreter widens bf16 dots to fp32 (triton_attention)
 
+#: Launch keywords that are compiler options, not kernel arguments.
+_LAUNCH_OPTIONS = ("num_warps", "num_stages")
+
 _TYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32",
                torch.int64: "i64", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1"}
 
@@ -202,7 +205,8 @@ def compile_launch(launch: Launch, arch: int, label: str = "") -> CompiledLaunch
     result = CompiledLaunch(label, launch.name, arch, shown)
     try:
         source = ASTSource(_jit_function(launch.kernel), signature, constexprs=constexprs, attrs=attrs)
-        compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32))
+        options = {k: launch.kwargs[k] for k in _LAUNCH_OPTIONS if k in launch.kwargs}
+        compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
     except Exception as exc:  # noqa: BLE001 - reported per launch
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
         where = f" ({lines[0]})" if len(lines) > 1 else ""

@@ -179,6 +179,14 @@ class TritonAttentionBackend(AttentionBackend):
         return paged_attention(query, kv_cache, metadata, scale, torch.empty_like(query))
 
 
+def _num_warps(rows: int, head_dim_p2: int, element_size: int) -> int:
+    """A tile keeps its queries and its float32 accumulator in registers. From 16 KiB of
+    queries (64 rows × 128 dims in bf16, 64 × 64 in fp32) that spills on sm_80 at 4 warps,
+    and 8 warps do not (`python -m pagedserve.kernels.triton_aot` shows both); smaller
+    tiles, decode tiles among them, keep 4."""
+    return 8 if rows * head_dim_p2 * element_size >= 16384 else 4
+
+
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
                     out: torch.Tensor) -> torch.Tensor:
     """Attention of every query over its sequence's cached K/V (already stored), into `out`.
@@ -199,17 +207,17 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: Atten
     # A tile's rows are BLOCK_M query tokens × the group's heads, and tl.dot wants 16 rows. A
     # decode tile has one real token, so BLOCK_M is only as large as reaching 16 rows needs.
     block_m = max(1, 16 // group_p2) if plan.decode_only else plan.block_m
+    head_dim_p2 = max(16, triton.next_power_of_2(head_dim))
     grid = (plan.tile_seq.numel(), num_kv_heads, splits)
     _paged_attention_kernel[grid](
         query, kv_cache[0], kv_cache[1], metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
         plan.tile_seq, plan.tile_start, out, part_out, part_lse,
         scale, num_tokens, num_heads, num_kv_heads, metadata.block_tables.shape[1], plan.min_blocks_per_split,
-        GROUP=group, GROUP_P2=group_p2, HEAD_DIM=head_dim,
-        HEAD_DIM_P2=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_M=block_m, BLOCK_SIZE=block_size, NUM_SPLITS=splits, DOT_FP32=_INTERPRETED,
+        GROUP=group, GROUP_P2=group_p2, HEAD_DIM=head_dim, HEAD_DIM_P2=head_dim_p2, BLOCK_M=block_m, BLOCK_SIZE=block_size, NUM_SPLITS=splits, DOT_FP32=_INTERPRETED,
         # tl.dot rounds float32 operands to tf32 on a GPU unless told otherwise: a float32
         # model gets full float32 attention, as torch's own matmuls give it
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        num_warps=_num_warps(block_m * group_p2, head_dim_p2, query.element_size()),
     )
     if splits > 1:
         _combine_splits_kernel[(num_tokens * num_heads,)](

@@ -49,7 +49,10 @@ def test_every_engine_kernel_compiles_for_a100_and_h100():
         assert r["error"] is None, r
         assert 0 <= r["shared_bytes"] <= triton_aot.SHARED_MEMORY_LIMIT[r["arch"]]
         assert 0 < r["registers"] <= 255
-        assert r["num_warps"] == 4 and r["tf32_dots"] is False
+        assert r["tf32_dots"] is False
+        # only a prefill tile of 64 rows × 128 dims (Llama-3-8B: 16 tokens × 4 heads) takes 8 warps
+        big_tile = r["kernel"] == "_paged_attention_kernel" and r["label"].endswith("llama3-8b bs16 mixed")
+        assert r["num_warps"] == (8 if big_tile else 4), r
     assert "34 launches: 34 compiled, 0 refused by the compiler; 0 over the shared memory limit" in out
     attention = {r["label"].split()[-1]: r["constants"] for r in results
                  if r["arch"] == 90 and r["kernel"] == "_paged_attention_kernel" and "llama3-8b" in r["label"]}
