@@ -68,3 +68,40 @@ def test_a_failed_capture_falls_back_to_eager(tiny_checkpoint, caplog):
     assert ours == hf_greedy(model_dir, prompts, 4)
     assert llm.engine.runner.decode_graphs is None
     assert len([r for r in caplog.records if "CUDA graph capture failed" in r.message]) == 1
+
+
+def test_the_captured_forward_reads_nothing_back_from_the_device(tiny_checkpoint, monkeypatch):
+    """A CUDA graph records device work only: a forward that reads a tensor's value on the
+    host (.item(), .tolist(), `if tensor:`) or builds a tensor from host data fails to capture
+    or bakes one step's values into every replay. The forward a graph would capture runs here
+    with every such call raising, and the Triton launches recorded instead of interpreted (the
+    interpreter itself copies tensors to the host)."""
+    import torch
+
+    from pagedserve import LLM
+    from pagedserve.kernels.triton_aot import recording
+
+    llm = LLM(str(tiny_checkpoint("llama-gqa")), device="cpu", attention_backend="triton", kv_cache_memory=1 << 22)
+    llm.engine.runner.enable_decode_graphs(max_batch=8, max_model_len=llm.engine.max_model_len, cuda_graphs=False)
+    graph = llm.engine.runner.decode_graphs._capture(4)
+
+    def forbidden(name):
+        def call(*args, **kwargs):
+            raise AssertionError(f"{name} in the captured forward")
+        return call
+
+    with recording() as launches, monkeypatch.context() as guard:
+        for name in ("item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__"):
+            guard.setattr(torch.Tensor, name, forbidden(f"Tensor.{name}"))
+        for name in ("tensor", "as_tensor", "from_numpy"):
+            guard.setattr(torch, name, forbidden(f"torch.{name}"))
+        with pytest.raises(AssertionError, match="torch.tensor in the captured forward"):
+            torch.tensor([1])  # the guard is on
+        hidden = graph.forward()
+    assert hidden.shape == (4, 96)
+    # per layer: the input norm (fused with the residual add after the first), rotary on q and
+    # on k, the KV store, attention, the post-attention norm, SiLU-and-mul; then the final norm
+    layer = ["_rms_norm_kernel", "_rotary_kernel", "_rotary_kernel", "_kv_store_kernel", "_paged_attention_kernel",
+             "_rms_norm_kernel", "_silu_and_mul_kernel"]
+    assert [launch.name for launch in launches] == layer * 2 + ["_rms_norm_kernel"]
+    assert all(launch.grid[0] == 4 for launch in launches if launch.name == "_paged_attention_kernel")
