@@ -233,7 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
     offline.add_argument("--model", default=DEFAULT_MODEL)
     offline.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     offline.add_argument("--threads", type=int, default=2)
-    offline.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    offline.add_argument("--max-num-batched-tokens", type=int, default=None,
+                         help="token budget of one step (default: the engine's, 2048 on CPU)")
     offline.add_argument("--max-num-seqs", default="256", help="one value, or a comma list to sweep (with --plot)")
     offline.add_argument("--no-prefix-caching", action="store_true")
     offline.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 2GiB (default: the engine's)")

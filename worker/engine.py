@@ -144,8 +144,14 @@ class Engine:
         if max_len > num_blocks * config.block_size:
             logger.warning("max_model_len %d capped to the KV pool's %d tokens", max_len, num_blocks * config.block_size)
             max_len = num_blocks * config.block_size
-        if not config.enable_chunked_prefill and max_len > config.max_num_batched_tokens:
-            raise InvalidParameterError("max_num_batched_tokens", f"without chunked prefill it must be >= max_model_len ({max_len})")
+        budget = config.token_budget(self.device.type)
+        if not config.enable_chunked_prefill:
+            if config.max_num_batched_tokens is None:
+                budget = max(budget, max_len)  # a whole prompt must fit one step
+            elif max_len > budget:
+                raise InvalidParameterError("max_num_batched_tokens",
+                                            f"without chunked prefill it must be >= max_model_len ({max_len})")
+        self.config = config = msgspec.structs.replace(config, max_num_batched_tokens=budget)
         self.max_model_len = max_len
         self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, model_id=config.model)
         self.scheduler = load_plugin("schedulers", config.scheduler)(config, self.kv_manager)

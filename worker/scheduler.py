@@ -48,7 +48,7 @@ class SequenceUpdate:
 
 class FCFSScheduler(SchedulerPlugin):
     def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager):
-        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_num_batched_tokens = config.token_budget()  # the engine has set it for its device
         self.max_num_seqs = config.max_num_seqs
         self.enable_chunked_prefill = config.enable_chunked_prefill
         self.kv = kv_cache_manager

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from pagedserve import LLM, SamplingParams
 from pagedserve.common.config import EngineConfig
 from pagedserve.worker.kv_cache_manager import KVCacheManager
@@ -152,3 +154,24 @@ def test_a_prefix_computed_this_step_is_not_computed_twice():
     assert [(e.request.request_id, e.num_new_tokens) for e in out.scheduled] == [("first", 1), ("other", 1), ("second", 4)]
     assert second.num_cached_tokens == 8
     assert second.blocks[:2] == first.blocks[:2]
+
+
+def test_the_step_budget_defaults_by_device_and_keeps_a_given_one(tiny_checkpoint, tmp_path):
+    from pagedserve.common.config import DEFAULT_TOKEN_BUDGET
+    from pagedserve.common.errors import InvalidParameterError
+
+    from tiny_models import build_checkpoint
+
+    assert DEFAULT_TOKEN_BUDGET == {"cpu": 2048, "cuda": 8192}
+    assert EngineConfig().token_budget("cuda") == 8192 and EngineConfig(max_num_batched_tokens=77).token_budget("cuda") == 77
+    model = str(tiny_checkpoint("llama-gqa"))
+    engine = LLM(model, device="cpu", kv_cache_memory=1 << 22).engine
+    assert engine.config.max_num_batched_tokens == 2048 and engine.scheduler.max_num_batched_tokens == 2048
+    engine = LLM(model, device="cpu", kv_cache_memory=1 << 22, max_num_batched_tokens=300).engine
+    assert engine.scheduler.max_num_batched_tokens == 300
+    # without chunked prefill a whole prompt must fit one step: the default grows to the context
+    long_model = str(build_checkpoint("llama", tmp_path, max_position_embeddings=4096))
+    engine = LLM(long_model, device="cpu", kv_cache_memory=1 << 24, enable_chunked_prefill=False).engine
+    assert engine.max_model_len == 4096 and engine.scheduler.max_num_batched_tokens == 4096
+    with pytest.raises(InvalidParameterError, match="max_num_batched_tokens"):
+        LLM(long_model, device="cpu", kv_cache_memory=1 << 24, enable_chunked_prefill=False, max_num_batched_tokens=1024)
