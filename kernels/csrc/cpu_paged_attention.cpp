@@ -2,14 +2,14 @@
 //
 // One task per (sequence, KV head): the query heads that share that KV head read each
 // cached key and value exactly once, straight from its block (no gather into a padded
-// copy), accumulating in float32. Same function as the torch reference in
+// copy), accumulating in float32, in a single pass over the blocks (online softmax). Same function as the torch reference in
 // kernels/torch_attention.py; tests compare the two.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <limits>
 #include <vector>
 
 namespace {
@@ -23,6 +23,42 @@ inline float load(c10::BFloat16 x) {
 }
 inline float load(c10::Half x) { return static_cast<float>(x); }
 
+// Scores of one query head against `n` cached keys of a block: four keys at a time, so four
+// independent accumulators hide the FMA latency and each query load serves four keys.
+template <typename T>
+inline void block_scores(const float* qg, const T* kp, int64_t token_stride, int64_t n, int64_t head_dim,
+                         float* out) {
+  int64_t t = 0;
+  for (; t + 4 <= n; t += 4) {
+    const T* k0 = kp + t * token_stride;
+    const T* k1 = k0 + token_stride;
+    const T* k2 = k1 + token_stride;
+    const T* k3 = k2 + token_stride;
+    float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+    for (int64_t i = 0; i < head_dim; ++i) {
+      const float q = qg[i];
+      a0 += q * load(k0[i]);
+      a1 += q * load(k1[i]);
+      a2 += q * load(k2[i]);
+      a3 += q * load(k3[i]);
+    }
+    out[t] = a0;
+    out[t + 1] = a1;
+    out[t + 2] = a2;
+    out[t + 3] = a3;
+  }
+  for (; t < n; ++t) {
+    const T* k0 = kp + t * token_stride;
+    float a0 = 0.f;
+#pragma omp simd reduction(+ : a0)
+    for (int64_t i = 0; i < head_dim; ++i) a0 += qg[i] * load(k0[i]);
+    out[t] = a0;
+  }
+}
+
+// One pass over the context, a block at a time, with an online softmax: each block's keys
+// and values are read once, while they are in L1, for every query head of the group.
 template <typename T>
 void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int32_t* block_tables,
                       const int32_t* seq_lens, T* out, int64_t num_seqs, int64_t num_heads,
@@ -32,51 +68,74 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int3
   const int64_t token_stride = num_kv_heads * head_dim;  // between positions in a block
   const int64_t block_stride = block_size * token_stride;
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * head_dim), acc(group * head_dim), scores;
+    std::vector<float> qf(group * head_dim), acc(group * head_dim), probs(group * block_size), mx(group), sum(group);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task / num_kv_heads, h = task % num_kv_heads;
       const int64_t len = seq_lens[s];
       const int32_t* table = block_tables + s * max_blocks;
-      scores.assign(group * len, 0.f);
       for (int64_t g = 0; g < group; ++g) {
         const T* qp = q + (s * num_heads + h * group + g) * head_dim;
         for (int64_t i = 0; i < head_dim; ++i) qf[g * head_dim + i] = load(qp[i]) * scale;
       }
-      for (int64_t t = 0; t < len; ++t) {
-        const T* kp = k_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride + h * head_dim;
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qg = qf.data() + g * head_dim;
-          float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t i = 0; i < head_dim; ++i) dot += qg[i] * load(kp[i]);
-          scores[g * len + t] = dot;
-        }
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        float* sg = scores.data() + g * len;
-        float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < len; ++t) mx = std::max(mx, sg[t]);
-        float sum = 0.f;
-        for (int64_t t = 0; t < len; ++t) {
-          sg[t] = std::exp(sg[t] - mx);
-          sum += sg[t];
-        }
-        const float inv = 1.f / sum;
-        for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
-      }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < len; ++t) {
-        const T* vp = v_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride + h * head_dim;
+      std::fill(sum.begin(), sum.end(), 0.f);
+      for (int64_t start = 0; start < len; start += block_size) {
+        const int64_t n = std::min(block_size, len - start);
+        const int64_t offset = table[start / block_size] * block_stride + h * head_dim;
+        const T* kp = k_cache + offset;
+        const T* vp = v_cache + offset;
         for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * len + t];
+          float* pg = probs.data() + g * block_size;
+          block_scores(qf.data() + g * head_dim, kp, token_stride, n, head_dim, pg);
+          float block_max = pg[0];
+          for (int64_t t = 1; t < n; ++t) block_max = std::max(block_max, pg[t]);
+          // no infinities: the build uses -ffast-math, which assumes there are none
+          const float new_max = start == 0 ? block_max : std::max(mx[g], block_max);
+          const float rescale = start == 0 ? 0.f : std::exp(mx[g] - new_max);
+          float block_sum = 0.f;
+#pragma omp simd reduction(+ : block_sum)
+          for (int64_t t = 0; t < n; ++t) {
+            pg[t] = std::exp(pg[t] - new_max);
+            block_sum += pg[t];
+          }
+          sum[g] = sum[g] * rescale + block_sum;
+          mx[g] = new_max;
           float* ag = acc.data() + g * head_dim;
+          if (rescale != 1.f) {
 #pragma omp simd
-          for (int64_t i = 0; i < head_dim; ++i) ag[i] += p * load(vp[i]);
+            for (int64_t i = 0; i < head_dim; ++i) ag[i] *= rescale;
+          }
+        }
+        // four values per pass: one load and store of the accumulator per four FMAs
+        int64_t t = 0;
+        for (; t + 4 <= n; t += 4) {
+          const T* v0 = vp + t * token_stride;
+          const T* v1 = v0 + token_stride;
+          const T* v2 = v1 + token_stride;
+          const T* v3 = v2 + token_stride;
+          for (int64_t g = 0; g < group; ++g) {
+            const float* pg = probs.data() + g * block_size + t;
+            const float p0 = pg[0], p1 = pg[1], p2 = pg[2], p3 = pg[3];
+            float* ag = acc.data() + g * head_dim;
+#pragma omp simd
+            for (int64_t i = 0; i < head_dim; ++i)
+              ag[i] += p0 * load(v0[i]) + p1 * load(v1[i]) + p2 * load(v2[i]) + p3 * load(v3[i]);
+          }
+        }
+        for (; t < n; ++t) {
+          const T* vt = vp + t * token_stride;
+          for (int64_t g = 0; g < group; ++g) {
+            const float p = probs[g * block_size + t];
+            float* ag = acc.data() + g * head_dim;
+#pragma omp simd
+            for (int64_t i = 0; i < head_dim; ++i) ag[i] += p * load(vt[i]);
+          }
         }
       }
       for (int64_t g = 0; g < group; ++g) {
         T* op = out + (s * num_heads + h * group + g) * head_dim;
-        for (int64_t i = 0; i < head_dim; ++i) op[i] = static_cast<T>(acc[g * head_dim + i]);
+        const float inv = len > 0 ? 1.f / sum[g] : 0.f;
+        for (int64_t i = 0; i < head_dim; ++i) op[i] = static_cast<T>(acc[g * head_dim + i] * inv);
       }
     }
   });
