@@ -55,21 +55,8 @@ def _batch(query_lens, seq_lens, heads, kv_heads, head_dim, block_size, dtype, d
     for n in blocks_per_seq:
         tables.append(perm[offset : offset + n].tolist())
         offset += n
-    width = max(blocks_per_seq)
-    slots = [tables[i][p // block_size] * block_size + p % block_size
-             for i, (q, s) in enumerate(zip(query_lens, seq_lens)) for p in range(s - q, s)]
+    meta = AttentionMetadata.for_batch(query_lens, seq_lens, tables, block_size, device)
     n_tokens = sum(query_lens)
-    starts = [0]
-    for q in query_lens:
-        starts.append(starts[-1] + q)
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, device=device),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device),
-        num_decodes=sum(1 for q in query_lens if q == 1), max_seq_len=max(seq_lens),
-        query_lens_cpu=list(query_lens), seq_lens_cpu=list(seq_lens),
-    )
     query = torch.randn(n_tokens, heads, head_dim, generator=g).to(device, dtype)
     key = torch.randn(n_tokens, kv_heads, head_dim, generator=g).to(device, dtype)
     value = torch.randn(n_tokens, kv_heads, head_dim, generator=g).to(device, dtype)

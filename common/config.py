@@ -9,8 +9,8 @@ from pagedserve.common.errors import InvalidParameterError
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 #: A step's token budget when none is given, by device type. On CPU, steps of 2048 prompt
-#: tokens ran the `fixed` workload 9-12% faster than one step of 8192, whose activations no
-#: longer fit the caches (docs/performance.md); a GPU wants large steps.
+#: tokens ran the `fixed` workload 9-12% faster than one step of 8192 (docs/performance.md);
+#: a GPU wants large steps.
 DEFAULT_TOKEN_BUDGET = {"cpu": 2048, "cuda": 8192}
 
 

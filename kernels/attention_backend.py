@@ -34,6 +34,27 @@ class AttentionMetadata:
     backend: AttentionBackend | None = None  # computes attention in every layer this step
     backend_state: Any = None  # whatever the backend precomputed once for all layers
 
+    @classmethod
+    def for_batch(cls, query_lens: list[int], seq_lens: list[int], tables: list[list[int]], block_size: int,
+                  device="cpu", width: int | None = None) -> AttentionMetadata:
+        """The metadata of a batch given each sequence's block table, for checks, benchmarks and
+        tests (the engine builds its own from the scheduler's arrays): the new tokens' slots,
+        the query offsets, and the tables padded with 0 to `width` (default: the longest)."""
+        width = width or max(len(t) for t in tables)
+        slots = [table[p // block_size] * block_size + p % block_size
+                 for table, q, s in zip(tables, query_lens, seq_lens) for p in range(s - q, s)]
+        starts = [0]
+        for q in query_lens:
+            starts.append(starts[-1] + q)
+        return cls(
+            slot_mapping=torch.tensor(slots, device=device),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device),
+            num_decodes=sum(1 for q in query_lens if q == 1), max_seq_len=max(seq_lens),
+            query_lens_cpu=list(query_lens), seq_lens_cpu=list(seq_lens),
+        )
+
 
 class AttentionBackend(ABC):
     """Computes attention over the paged KV cache for a mixed prefill/decode batch."""

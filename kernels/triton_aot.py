@@ -80,6 +80,7 @@ class CompiledLaunch:
     stack_bytes: int | None = None  # stack + local memory per thread; above 0: spilled registers
     shared_bytes: int = 0  # per thread block
     num_warps: int = 0
+    over_shared_limit: bool = False  # more shared memory than one block may have on `arch`
     error: str | None = None
     notes: list[str] = field(default_factory=list)
     ptx: str = field(default="", repr=False)
@@ -217,7 +218,8 @@ def compile_launch(launch: Launch, arch: int, label: str = "") -> CompiledLaunch
     result.num_warps = int(compiled.metadata.num_warps)
     result.registers, result.stack_bytes = _resource_usage(compiled.asm["cubin"])
     limit = SHARED_MEMORY_LIMIT.get(arch)
-    if limit is not None and result.shared_bytes > limit:
+    result.over_shared_limit = limit is not None and result.shared_bytes > limit
+    if result.over_shared_limit:
         result.notes.append(f"needs {result.shared_bytes} B of shared memory, sm_{arch} has {limit}")
     if result.stack_bytes:
         result.notes.append(f"a {result.stack_bytes} B stack frame per thread (spilled registers)")
@@ -242,20 +244,14 @@ def _attention_batch(kind: str, heads: int, kv_heads: int, head_dim: int, block_
                             "decode": ([1] * 4, [90, 3, 40, 60]),
                             "graph": ([1] * 4, [90, 3, 40, 60])}[kind]
     blocks = [-(-s // block_size) for s in seq_lens]
-    max_blocks = 8192 // block_size if kind == "graph" else max(blocks)
     tables, next_block = [], 0
     for b in blocks:
-        tables.append(list(range(next_block, next_block + b)) + [0] * (max_blocks - b))
+        tables.append(list(range(next_block, next_block + b)))
         next_block += b
-    slots = [tables[i][p // block_size] * block_size + p % block_size
-             for i, (q, s) in enumerate(zip(query_lens, seq_lens)) for p in range(s - q, s)]
+    # a CUDA graph's tables are as wide as the longest context allows (8192 tokens here)
+    metadata = AttentionMetadata.for_batch(query_lens, seq_lens, tables, block_size,
+                                           width=8192 // block_size if kind == "graph" else None)
     n = sum(query_lens)
-    metadata = AttentionMetadata(
-        slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()],
-                                                                       dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=torch.tensor(tables, dtype=torch.int32),
-        num_decodes=sum(q == 1 for q in query_lens), max_seq_len=max(seq_lens), query_lens_cpu=query_lens,
-        seq_lens_cpu=seq_lens)
     backend = triton_attention.TritonAttentionBackend()
     if kind == "graph":  # as DecodeGraphs plans it for max_model_len 8192
         metadata.backend_state = backend.decode_plan(len(query_lens), 8192, block_size, "cpu")
@@ -346,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
 def summary(results: list[CompiledLaunch]) -> str:
     errors = sum(r.error is not None for r in results)
     spills = sum(bool(r.stack_bytes) for r in results)
-    over = sum(any("shared memory" in n for n in r.notes) for r in results)
+    over = sum(r.over_shared_limit for r in results)
     return (f"{len(results)} launches: {len(results) - errors} compiled, {errors} refused by the compiler; "
             f"{over} over the shared memory limit; {spills} with a stack frame (spilled registers)")
 

@@ -213,7 +213,8 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: Atten
         query, kv_cache[0], kv_cache[1], metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
         plan.tile_seq, plan.tile_start, out, part_out, part_lse,
         scale, num_tokens, num_heads, num_kv_heads, metadata.block_tables.shape[1], plan.min_blocks_per_split,
-        GROUP=group, GROUP_P2=group_p2, HEAD_DIM=head_dim, HEAD_DIM_P2=head_dim_p2, BLOCK_M=block_m, BLOCK_SIZE=block_size, NUM_SPLITS=splits, DOT_FP32=_INTERPRETED,
+        GROUP=group, GROUP_P2=group_p2, HEAD_DIM=head_dim, HEAD_DIM_P2=head_dim_p2,
+        BLOCK_M=block_m, BLOCK_SIZE=block_size, NUM_SPLITS=splits, DOT_FP32=_INTERPRETED,
         # tl.dot rounds float32 operands to tf32 on a GPU unless told otherwise: a float32
         # model gets full float32 attention, as torch's own matmuls give it
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
@@ -237,8 +238,6 @@ def self_check(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str
         heads, kv_heads, head_dim, block_size = 8, 2, 64, 16
         query_lens, seq_lens = [1, 1, 20], [37, 5, 20]  # two decodes, one fresh prefill
         tables = [[0, 1, 2], [3, 0, 0], [4, 5, 0]]
-        slots = [tables[i][p // block_size] * block_size + p % block_size
-                 for i, (q, s) in enumerate(zip(query_lens, seq_lens)) for p in range(s - q, s)]
 
         def rand(*shape):
             return torch.randn(*shape, generator=g).to(device, dtype)
@@ -248,12 +247,7 @@ def self_check(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str
         cache = rand(2, 7, block_size, kv_heads, head_dim)
         outs = []
         for backend in (TorchAttentionBackend(), TritonAttentionBackend(num_splits=2)):
-            metadata = AttentionMetadata(
-                slot_mapping=torch.tensor(slots, device=device),
-                query_start_loc=torch.tensor([0, 1, 2, n], dtype=torch.int32, device=device),
-                seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-                block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
-                num_decodes=2, max_seq_len=max(seq_lens), query_lens_cpu=query_lens, seq_lens_cpu=seq_lens)
+            metadata = AttentionMetadata.for_batch(query_lens, seq_lens, tables, block_size, device)
             backend.prepare(metadata, block_size)
             outs.append(backend.forward(query, key, value, cache.clone(), metadata, head_dim**-0.5).float())
         x, w = rand(5, 96), rand(96)

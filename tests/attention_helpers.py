@@ -13,28 +13,14 @@ def build_batch(query_lens, context_lens, num_heads, num_kv_heads, head_dim, blo
     num_blocks = sum(-(-c // block_size) for c in context_lens) + 3
     kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
     perm = torch.randperm(num_blocks, generator=g).tolist()
-    tables, slots = [], []
+    tables = []
     total_q = sum(query_lens)
     query = torch.randn(total_q, num_heads, head_dim, generator=g).to(dtype)
     key = torch.randn(total_q, num_kv_heads, head_dim, generator=g).to(dtype)
     value = torch.randn(total_q, num_kv_heads, head_dim, generator=g).to(dtype)
-    offset = 0
-    for q_len, ctx in zip(query_lens, context_lens):
-        n = -(-ctx // block_size)
-        table = [perm.pop() for _ in range(n)]
-        tables.append(table)
-        for p in range(ctx - q_len, ctx):
-            slots.append(table[p // block_size] * block_size + p % block_size)
-        offset += q_len
-    max_blocks = max(len(t) for t in tables)
-    block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32)
-    query_start = torch.tensor([0] + list(torch.tensor(query_lens).cumsum(0).tolist()), dtype=torch.int32)
-    metadata = AttentionMetadata(
-        slot_mapping=torch.tensor(slots), query_start_loc=query_start,
-        seq_lens=torch.tensor(context_lens, dtype=torch.int32), block_tables=block_tables,
-        num_decodes=sum(1 for q in query_lens if q == 1), max_seq_len=max(context_lens),
-        query_lens_cpu=list(query_lens), seq_lens_cpu=list(context_lens),
-    )
+    for ctx in context_lens:
+        tables.append([perm.pop() for _ in range(-(-ctx // block_size))])
+    metadata = AttentionMetadata.for_batch(query_lens, context_lens, tables, block_size)
     return query, key, value, kv_cache, metadata
 
 

@@ -2,8 +2,8 @@
 //
 // One task per (sequence, KV head): the query heads that share that KV head read each
 // cached key and value exactly once, straight from its block (no gather into a padded
-// copy), accumulating in float32, in a single pass over the blocks (online softmax). Same function as the torch reference in
-// kernels/torch_attention.py; tests compare the two.
+// copy), accumulating in float32, in a single pass over the blocks (online softmax). Same
+// function as the torch reference in kernels/torch_attention.py; tests compare the two.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
