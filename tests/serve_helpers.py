@@ -31,7 +31,7 @@ class LiveServer:
         self.redis_url = redis_url
         self.model = str(model_dir)
         env = dict(os.environ, PAGEDSERVE_API_KEYS=",".join(f"{k}:{t}" for k, t in API_KEYS.items()))
-        args = [sys.executable, "-m", "pagedserve.common.cli", "serve", "--model", self.model, "--port", str(self.port),
+        args = [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", "--model", self.model, "--port", str(self.port),
                 "--redis-url", redis_url, "--log-level", "warning", *flags]
         self.process = subprocess.Popen(args, env=env)
         self.redis = redis.Redis.from_url(redis_url)

@@ -8,7 +8,7 @@ import sys
 
 
 def run_cli(*args: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pagedserve.common.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "pagedserve.entrypoints.cli", *args], capture_output=True, text=True,
                           env={**os.environ, **env})
 
 

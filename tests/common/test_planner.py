@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from pagedserve.common.cli import main
+from pagedserve.entrypoints.cli import main
 from pagedserve.common.errors import InvalidParameterError
 from pagedserve.common.planner import ModelShape, parse_bytes, plan
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.common.redis_server import (
+from pagedserve.entrypoints.redis_server import (
     EmbeddedRedis,
     RedisServerNotFound,
     _ping,

@@ -9,7 +9,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from pagedserve.common.cli import main
+from pagedserve.entrypoints.cli import main
 from pagedserve.common.errors import InvalidParameterError
 from pagedserve.common.serve_bench import (
     RequestRecord,

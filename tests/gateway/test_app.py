@@ -22,7 +22,7 @@ from pagedserve.common.messages import (
     decode_request,
     encode,
 )
-from pagedserve.common.redis_server import EmbeddedRedis
+from pagedserve.entrypoints.redis_server import EmbeddedRedis
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.gateway.app import create_app
 from pagedserve.gateway.queue_client import QueueClient

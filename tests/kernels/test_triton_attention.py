@@ -104,7 +104,7 @@ def _run_gpu_kernels_script(env: dict[str, str], name: str = "gpu_kernels.py") -
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[2] / "bench" / name
+    script = Path(__file__).resolve().parents[2] / "pagedserve" / "bench" / name
     done = subprocess.run([sys.executable, str(script), "--smoke"], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout

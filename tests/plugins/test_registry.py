@@ -104,7 +104,7 @@ print(json.dumps(dict(tokens=tokens, expected=expected, rev=rev, least=least,
 
 
 def test_plugins_list_shows_loaded_and_skipped(installed_plugin):
-    out = run_with_plugin(installed_plugin, "from pagedserve.common.cli import main; main(['plugins', 'list'])")
+    out = run_with_plugin(installed_plugin, "from pagedserve.entrypoints.cli import main; main(['plugins', 'list'])")
     assert "lowest\tpagedserve_example_plugin.LowestOfTopTwoSampler" in out
     assert "outdated\tSKIPPED: API_VERSION 101" in out
     assert "broken\tSKIPPED: ModuleNotFoundError" in out

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from pagedserve.common.cli import main
+from pagedserve.entrypoints.cli import main
 from pagedserve.worker.offline_bench import workload
 
 from tiny_models import build_checkpoint

@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
 
 def in_process(model: str, dtype: str, threads: int, max_seqs: int, prompts, output_lens) -> dict:
@@ -37,7 +37,7 @@ def in_process(model: str, dtype: str, threads: int, max_seqs: int, prompts, out
 
 
 def over_http(model: str, dtype: str, threads: int, max_seqs: int, prompts, output_lens, concurrency: int) -> dict:
-    from pagedserve.common.redis_server import EmbeddedRedis
+    from pagedserve.entrypoints.redis_server import EmbeddedRedis
     from pagedserve.common.serve_bench import run_benchmark, summarize
 
     from serve_helpers import LiveServer

@@ -122,7 +122,7 @@ def _service_configs(args):
 
 
 def _serve(args) -> int:
-    from pagedserve.common.launcher import serve
+    from pagedserve.entrypoints.launcher import serve
 
     return serve(*_service_configs(args))
 

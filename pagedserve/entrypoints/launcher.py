@@ -18,7 +18,7 @@ from pagedserve.common import options
 from pagedserve.common import queue as q
 from pagedserve.common.config import EngineConfig, ServeConfig
 from pagedserve.common.model_store import resolve_model
-from pagedserve.common.redis_server import EmbeddedRedis
+from pagedserve.entrypoints.redis_server import EmbeddedRedis
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ def start_workers(config: ServeConfig, engine: EngineConfig, redis_url: str) -> 
         env = dict(os.environ)
         if num_gpus:
             env["CUDA_VISIBLE_DEVICES"] = str(i % num_gpus)
-        procs.append(subprocess.Popen([sys.executable, "-m", "pagedserve.common.cli", "worker", *flags], env=env))
+        procs.append(subprocess.Popen([sys.executable, "-m", "pagedserve.entrypoints.cli", "worker", *flags], env=env))
     return procs
 
 

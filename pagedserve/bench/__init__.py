@@ -1,0 +1,1 @@
+"""Benchmarks: workloads, the offline and serve runners, plots, and the GPU scripts."""

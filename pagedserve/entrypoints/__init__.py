@@ -1,0 +1,1 @@
+"""Entry points: the command line, the `serve` launcher, the embedded Redis."""
