@@ -37,8 +37,8 @@ def in_process(model: str, dtype: str, threads: int, max_seqs: int, prompts, out
 
 
 def over_http(model: str, dtype: str, threads: int, max_seqs: int, prompts, output_lens, concurrency: int) -> dict:
-    from pagedserve.entrypoints.redis_server import EmbeddedRedis
     from pagedserve.common.serve_bench import run_benchmark, summarize
+    from pagedserve.entrypoints.redis_server import EmbeddedRedis
 
     from serve_helpers import LiveServer
 

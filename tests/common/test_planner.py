@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from pagedserve.entrypoints.cli import main
 from pagedserve.common.errors import InvalidParameterError
 from pagedserve.common.planner import ModelShape, parse_bytes, plan
+from pagedserve.entrypoints.cli import main
 
 GIB = 2**30
 LLAMA3_8B = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, num_hidden_layers=32,

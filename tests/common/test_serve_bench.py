@@ -9,7 +9,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from pagedserve.entrypoints.cli import main
 from pagedserve.common.errors import InvalidParameterError
 from pagedserve.common.serve_bench import (
     RequestRecord,
@@ -18,6 +17,7 @@ from pagedserve.common.serve_bench import (
     serve_workload,
     summarize,
 )
+from pagedserve.entrypoints.cli import main
 
 
 def test_percentile_interpolates_like_numpy():

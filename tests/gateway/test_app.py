@@ -22,8 +22,8 @@ from pagedserve.common.messages import (
     decode_request,
     encode,
 )
-from pagedserve.entrypoints.redis_server import EmbeddedRedis
 from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.entrypoints.redis_server import EmbeddedRedis
 from pagedserve.gateway.app import create_app
 from pagedserve.gateway.queue_client import QueueClient
 from pagedserve.gateway.tokenizer import PromptTokenizer
