@@ -27,7 +27,6 @@ class ExtraKeyKind(enum.IntEnum):
 
     MODEL_ID = 1
     TENANT_SALT = 2
-    ADAPTER_ID = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,18 +63,3 @@ def hash_block(parent_hash: bytes | None, token_ids: Sequence[int], extra: bytes
     h.update(tokens.tobytes())
     h.update(extra)
     return h.digest()
-
-
-def hash_blocks(
-    token_ids: Sequence[int],
-    block_size: int,
-    extra_keys: Sequence[ExtraKey] = (),
-    parent_hash: bytes | None = None,
-) -> list[bytes]:
-    """Hashes of every full block of `token_ids` (a trailing partial block gets none)."""
-    extra = encode_extra_keys(extra_keys)
-    hashes = []
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent_hash = hash_block(parent_hash, token_ids[start : start + block_size], extra)
-        hashes.append(parent_hash)
-    return hashes

@@ -24,7 +24,7 @@ class Block:
 
 @dataclass(slots=True)
 class PrefixCacheStats:
-    """Counters since start; the worker exports them as Prometheus metrics."""
+    """Counters since start (`BlockPool.stats`); nothing exports them yet, tests read them."""
 
     num_queries: int = 0  # blocks looked up
     num_hits: int = 0  # blocks found
@@ -52,11 +52,6 @@ class BlockPool:
     def num_free_blocks(self) -> int:
         return len(self._free)
 
-    @property
-    def usage(self) -> float:
-        """Fraction of blocks held by requests (free cached blocks count as free)."""
-        return 1.0 - len(self._free) / self.num_blocks
-
     def find_prefix(self, block_hashes: Sequence[bytes], block_tokens: Sequence[Sequence[int]]) -> list[Block]:
         """The longest run of cached blocks for these hashes, without taking them.
 
@@ -77,14 +72,9 @@ class BlockPool:
             hits.append(block)
         return hits
 
-    def match_prefix(self, block_hashes: Sequence[bytes], block_tokens: Sequence[Sequence[int]]) -> list[Block]:
-        """`find_prefix`, then take the blocks found (ref count +1) and count the lookup."""
-        hits = self.find_prefix(block_hashes, block_tokens)
-        self.record_lookup(len(block_hashes), len(hits))
-        self.take(hits)
-        return hits
-
     def record_lookup(self, num_queried: int, num_hit: int) -> None:
+        """Count one lookup of `num_queried` blocks that found `num_hit` (kept apart from
+        `find_prefix`, which may run again for the same request while it waits for blocks)."""
         if self.enable_caching:
             self.stats.num_queries += num_queried
             self.stats.num_hits += num_hit
@@ -141,7 +131,9 @@ class BlockPool:
         block.ref_count += 1
 
     def _uncache(self, block: Block) -> None:
-        if self._cached.get(block.block_hash) == block.block_id:
-            del self._cached[block.block_hash]
+        block_hash = block.block_hash
+        assert block_hash is not None, f"block {block.block_id} is not cached"
+        if self._cached.get(block_hash) == block.block_id:
+            del self._cached[block_hash]
         block.block_hash = None
         block.token_ids = None
