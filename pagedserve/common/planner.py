@@ -135,19 +135,20 @@ def plan(
         raise InvalidParameterError("memory", f"the weights alone ({weight_bytes / 2**30:.2f} GiB) do not fit")
     num_blocks = budget // per_block
     blocks_per_seq = -(-context // block_size)
-    result = dict(
-        weight_bytes=weight_bytes, kv_bytes_per_token=per_token, kv_bytes_per_sequence=blocks_per_seq * per_block,
-        kv_budget_bytes=budget, max_sequences_at_context=num_blocks // blocks_per_seq, num_blocks=num_blocks,
-    )
+    max_sequences = num_blocks // blocks_per_seq
+    sequences_paged: int | None = None
+    mean_length: float | None = None
     if lengths:
         lengths = [min(n, context) for n in lengths]
         mean_blocks = sum(-(-n // block_size) for n in lengths) / len(lengths)
-        result.update(
-            sequences_reserving_context=num_blocks // blocks_per_seq,
-            sequences_paged=int(num_blocks // mean_blocks),
-            mean_length=sum(lengths) / len(lengths),
-        )
-    return Plan(**result)
+        sequences_paged = int(num_blocks // mean_blocks)
+        mean_length = sum(lengths) / len(lengths)
+    return Plan(
+        weight_bytes=weight_bytes, kv_bytes_per_token=per_token, kv_bytes_per_sequence=blocks_per_seq * per_block,
+        kv_budget_bytes=budget, max_sequences_at_context=max_sequences, num_blocks=num_blocks,
+        sequences_reserving_context=max_sequences if lengths else None,
+        sequences_paged=sequences_paged, mean_length=mean_length,
+    )
 
 
 def format_plan(p: Plan, context: int) -> str:
