@@ -117,7 +117,9 @@ def recording():
             setattr(module, name, value)
 
 
-def signature_of(launch: Launch) -> tuple[dict, dict, dict]:
+def signature_of(
+    launch: Launch,
+) -> tuple[dict[str, str], dict[tuple[int, ...], Any], dict[tuple[int, ...], list[list[Any]]]]:
     """(signature, constexprs, attrs) for `triton.compile`, as Triton's launcher specializes
     these arguments: pointers by dtype, and 16-byte aligned pointers and integers divisible
     by 16 hinted; integers equal to 1 become constants."""
@@ -126,7 +128,9 @@ def signature_of(launch: Launch) -> tuple[dict, dict, dict]:
     values = dict(zip(names, launch.args))
     values.update(launch.kwargs)
     constexpr_names = {names[i] for i in jit.constexprs}
-    signature, constexprs, attrs = {}, {}, {}
+    signature: dict[str, str] = {}
+    constexprs: dict[tuple[int, ...], Any] = {}  # a constexpr's value: a bool, int, float...
+    attrs: dict[tuple[int, ...], list[list[Any]]] = {}
     for i, name in enumerate(names):
         value = values[name]
         if name in constexpr_names:
