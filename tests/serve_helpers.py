@@ -12,8 +12,8 @@ import time
 import httpx
 import redis
 
-from pagedserve.common import queue as q
-from pagedserve.common.messages import WorkerInfo, decode_worker_info
+from pagedserve.common import queue_protocol as q
+from pagedserve.common.queue_protocol import WorkerInfo, decode_worker_info
 
 API_KEYS = {"sk-test-a": "tenant-a", "sk-test-b": "tenant-b"}
 

@@ -15,7 +15,7 @@ import msgspec
 import redis
 
 from pagedserve.common import options
-from pagedserve.common import queue as q
+from pagedserve.common import queue_protocol as q
 from pagedserve.common.config import EngineConfig, ServeConfig
 from pagedserve.common.model_store import resolve_model
 from pagedserve.entrypoints.redis_server import EmbeddedRedis

@@ -15,10 +15,10 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from pagedserve.common import queue as q
+from pagedserve.common import queue_protocol as q
 from pagedserve.common.config import ServeConfig
 from pagedserve.common.errors import QueueFullError, ServiceUnavailableError
-from pagedserve.common.messages import (
+from pagedserve.common.queue_protocol import (
     ChoiceDelta,
     OutputLog,
     QueuedRequest,
@@ -116,7 +116,7 @@ class QueueClient:
             for _, entries in reply or []:
                 for entry_id, fields in entries:
                     last_id = entry_id
-                    accepted = log.apply(decode_chunk(fields[b"c"]))
+                    accepted = log.apply(decode_chunk(fields[q.CHUNK_FIELD]))
                     if accepted or log.done:
                         yield accepted, log
         with contextlib.suppress(RedisError):  # it expires anyway

@@ -13,8 +13,8 @@ from typing import Any
 
 import msgspec
 
-from pagedserve.common.messages import ChoiceDelta, OutputLog, WireError
 from pagedserve.common.outputs import Logprobs
+from pagedserve.common.queue_protocol import ChoiceDelta, OutputLog, WireError
 
 _json = msgspec.json.Encoder()
 

@@ -26,10 +26,11 @@ from dataclasses import dataclass, field
 import msgspec
 import redis
 
-from pagedserve.common import queue as q
+from pagedserve.common import queue_protocol as q
 from pagedserve.common.config import ServeConfig
 from pagedserve.common.errors import PagedServeError
-from pagedserve.common.messages import (
+from pagedserve.common.outputs import RequestOutput
+from pagedserve.common.queue_protocol import (
     ChoiceDelta,
     Chunk,
     OutputLog,
@@ -40,7 +41,6 @@ from pagedserve.common.messages import (
     decode_request,
     encode,
 )
-from pagedserve.common.outputs import RequestOutput
 from pagedserve.worker.engine import Engine, ResumedCompletion
 
 logger = logging.getLogger(__name__)
@@ -180,7 +180,7 @@ class WorkerService:
         entries = [(eid, fields) for eid, fields in (reply[0][1] if reply else []) if fields]
         if not entries:
             return
-        num_tokens = sum(int(fields.get(b"t", 0)) for _, fields in entries)
+        num_tokens = sum(int(fields.get(q.PROMPT_TOKENS_FIELD, 0)) for _, fields in entries)
         self._count_taken(keys=[q.QUEUED, q.QUEUED_TOKENS], args=[len(entries), num_tokens])
         for entry_id, fields in entries:
             self._start(entry_id.decode(), fields, attempt=1)
@@ -216,7 +216,7 @@ class WorkerService:
 
     def _start(self, entry_id: str, fields: dict, attempt: int) -> None:
         try:
-            request = decode_request(fields[b"m"])
+            request = decode_request(fields[q.REQUEST_FIELD])
         except (KeyError, msgspec.DecodeError, msgspec.ValidationError, PagedServeError) as exc:
             logger.error("dropping malformed queue entry %s: %s", entry_id, exc)
             self._acks.append(entry_id)
@@ -258,10 +258,10 @@ class WorkerService:
     def _resume_state(self, run: _Running) -> list[ResumedCompletion] | None:
         """Fence off the dead worker, then read what the client has; None if nothing is left."""
         self._flush()
-        claim_id = self.redis.xadd(run.output_key, {"c": encode(Chunk(attempt=run.attempt, claim=True))})
+        claim_id = self.redis.xadd(run.output_key, {q.CHUNK_FIELD: encode(Chunk(attempt=run.attempt, claim=True))})
         log = OutputLog(run.request.params.n)
         for _, fields in self.redis.xrange(run.output_key, "-", claim_id):
-            log.apply(decode_chunk(fields[b"c"]))
+            log.apply(decode_chunk(fields[q.CHUNK_FIELD]))
         if log.done:
             self._acks.append(run.entry_id)
             return None
@@ -357,7 +357,7 @@ class WorkerService:
         pipe = self.redis.pipeline(transaction=False)
         for key, data in self._outbox:
             if data:
-                pipe.xadd(key, {"c": data})
+                pipe.xadd(key, {q.CHUNK_FIELD: data})
                 pipe.expire(key, q.OUTPUT_TTL)
             else:
                 pipe.delete(key)

@@ -11,10 +11,10 @@ import time
 import pytest
 from litestar.testing import TestClient
 
-from pagedserve.common import queue as q
+from pagedserve.common import queue_protocol as q
 from pagedserve.common.config import ServeConfig
 from pagedserve.common.errors import QueueFullError, ServiceUnavailableError
-from pagedserve.common.messages import (
+from pagedserve.common.queue_protocol import (
     ChoiceDelta,
     Chunk,
     QueuedRequest,
@@ -71,9 +71,8 @@ def tokenizer_dir(tmp_path_factory):
 
 
 def _queued(i: int, num_tokens: int) -> QueuedRequest:
-    now = time.time()
     return QueuedRequest(request_id=f"r{i}", prompt_token_ids=list(range(1, num_tokens + 1)),
-                         params=SamplingParams(max_tokens=4), deadline=now + 60, enqueued_at=now)
+                         params=SamplingParams(max_tokens=4), deadline=time.time() + 60)
 
 
 def _beat(redis_client, worker_id: str = "w1") -> None:
@@ -105,8 +104,8 @@ def test_admission_bounds_requests_and_tokens(redis_server, redis_client):
     asyncio.run(scenario())
     assert int(redis_client.get(q.QUEUED)) == 3
     entries = redis_client.xrange(q.REQUESTS)
-    assert [decode_request(fields[b"m"]).request_id for _, fields in entries] == ["r1", "r3", "r5"]
-    assert [int(fields[b"t"]) for _, fields in entries] == [60, 40, 1]
+    assert [decode_request(fields[q.REQUEST_FIELD]).request_id for _, fields in entries] == ["r1", "r3", "r5"]
+    assert [int(fields[q.PROMPT_TOKENS_FIELD]) for _, fields in entries] == [60, 40, 1]
 
 
 def test_oversized_request_is_let_into_an_empty_queue(redis_server, redis_client):
@@ -171,16 +170,18 @@ def test_tenant_is_the_cache_salt_and_unanswered_requests_time_out(redis_server,
     config = ServeConfig(request_timeout=1.0)
     app = create_app(config, redis_server.url, PromptTokenizer(tokenizer_dir), ("tiny",), 64, {"sk-1": "t1", "sk-2": "t2"})
     _beat(redis_client)
+    started = time.time()
     with TestClient(app) as http:
         for key in ("sk-1", "sk-2"):
             r = http.post("/v1/completions", json={"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 2},
                           headers={"Authorization": f"Bearer {key}"})
             assert r.status_code == 504 and r.json()["error"]["code"] == "request_timeout"
+    ended = time.time()
     entries = redis_client.xrange(q.REQUESTS)
-    queued = [decode_request(fields[b"m"]) for _, fields in entries]
+    queued = [decode_request(fields[q.REQUEST_FIELD]) for _, fields in entries]
     assert [r.cache_salt for r in queued] == ["t1", "t2"]
     assert [r.prompt_token_ids for r in queued] == [[1, 2, 3], [1, 2, 3]]
-    assert all(0.9 < r.deadline - r.enqueued_at < 1.1 for r in queued)
+    assert all(started + 1.0 <= r.deadline <= ended for r in queued)  # admission time + request_timeout
 
 
 def test_drain_refuses_new_requests_and_ends_running_ones_in_time(redis_server, redis_client, tokenizer_dir):
@@ -202,7 +203,7 @@ def test_drain_refuses_new_requests_and_ends_running_ones_in_time(redis_server, 
     assert answers[0].status_code == 503 and answers[0].json()["error"]["code"] == "shutting_down"
     # the abandoned request was cancelled for the workers
     [(_, fields)] = redis_client.xrange(q.REQUESTS)
-    assert redis_client.exists(q.cancelled_key(decode_request(fields[b"m"]).request_id)) == 1
+    assert redis_client.exists(q.cancelled_key(decode_request(fields[q.REQUEST_FIELD]).request_id)) == 1
 
 
 def _fake_worker(redis_client, chunks: list[Chunk]) -> threading.Thread:
@@ -213,10 +214,10 @@ def _fake_worker(redis_client, chunks: list[Chunk]) -> threading.Thread:
         while time.monotonic() < deadline:
             entries = redis_client.xrange(q.REQUESTS)
             if entries:
-                request = decode_request(entries[-1][1][b"m"])
+                request = decode_request(entries[-1][1][q.REQUEST_FIELD])
                 redis_client.delete(q.REQUESTS)
                 for chunk in chunks:
-                    redis_client.xadd(q.output_key(request.request_id), {"c": encode(chunk)})
+                    redis_client.xadd(q.output_key(request.request_id), {q.CHUNK_FIELD: encode(chunk)})
                 return
             time.sleep(0.01)
 
@@ -268,7 +269,7 @@ def test_admission_is_idempotent_and_survives_a_redis_restart():
                 server.start()  # same port, empty; the queue's pooled connection is now dead
                 _beat(client)
                 await queue.submit(_queued(2, 5))
-                assert [decode_request(f[b"m"]).request_id for _, f in client.xrange(q.REQUESTS)] == ["r2"]
+                assert [decode_request(f[q.REQUEST_FIELD]).request_id for _, f in client.xrange(q.REQUESTS)] == ["r2"]
             finally:
                 await queue.close()
 

@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.common import queue as q
+from pagedserve.common import queue_protocol as q
 from pagedserve.entrypoints.redis_server import EmbeddedRedis
 
 from serve_helpers import LiveServer

@@ -1,11 +1,14 @@
-"""The output-stream fold that gateway and worker share, and the wire encoding."""
+"""The queue protocol: the output-stream fold that gateway and worker share, the wire
+encoding, and the entry fields the admission script writes."""
 
 from __future__ import annotations
 
 import msgspec
 import pytest
 
-from pagedserve.common.messages import (
+from pagedserve.common import queue_protocol as q
+from pagedserve.common.outputs import Logprobs, TokenLogprob
+from pagedserve.common.queue_protocol import (
     ChoiceDelta,
     Chunk,
     OutputLog,
@@ -15,7 +18,6 @@ from pagedserve.common.messages import (
     decode_request,
     encode,
 )
-from pagedserve.common.outputs import Logprobs, TokenLogprob
 from pagedserve.common.sampling_params import SamplingParams
 
 
@@ -60,7 +62,7 @@ def test_error_outcome():
 
 def test_wire_round_trip_is_msgpack_and_validates():
     request = QueuedRequest(request_id="r1", prompt_token_ids=[1, 2, 3], params=SamplingParams(n=2, seed=5, stop=["x"]),
-                            cache_salt="tenant", deadline=10.5, enqueued_at=1.5, traceparent="00-ab-cd-01")
+                            cache_salt="tenant", deadline=10.5, traceparent="00-ab-cd-01")
     data = encode(request)
     assert data[:1] != b"\x80"  # not a pickle protocol header
     assert decode_request(data) == request
@@ -69,6 +71,12 @@ def test_wire_round_trip_is_msgpack_and_validates():
     assert decode_chunk(encode(chunk)) == chunk
     # the sampling parameters are validated on the way in, too
     bad = msgspec.msgpack.encode({"request_id": "r", "prompt_token_ids": [1], "params": {"temperature": -1},
-                                  "deadline": 1.0, "enqueued_at": 1.0})
+                                  "deadline": 1.0})
     with pytest.raises(Exception, match="temperature"):
         decode_request(bad)
+
+
+def test_the_admission_script_writes_the_named_request_fields():
+    """The Lua script spells the request entry's fields itself: they must be the protocol's."""
+    xadd = f"'XADD', KEYS[1], '*', '{q.REQUEST_FIELD.decode()}', ARGV[4], '{q.PROMPT_TOKENS_FIELD.decode()}', ARGV[3]"
+    assert xadd in q.ADMIT

@@ -1,7 +1,21 @@
-"""What travels through Redis between gateway and workers: msgspec Structs as msgpack.
+"""The queue protocol between gateway and workers: the Redis keys, the fields of each stream
+entry, and the msgspec Structs that travel in them as msgpack. Both sides import this module;
+the Lua scripts that keep the queue consistent live in `queue_scripts` and are exported here.
 
     gateway ── QueuedRequest ──> pagedserve:requests ──> worker
     worker  ── Chunk ──────────> pagedserve:out:{request_id} ──> gateway
+
+Keys:
+
+    pagedserve:requests            stream of QueuedRequest; consumer group "workers"
+    pagedserve:queued              requests admitted and not yet pulled by a worker
+    pagedserve:queued_tokens       their prompt tokens
+    pagedserve:out:{request_id}    stream of Chunk, read by the gateway that admitted it
+    pagedserve:workers             sorted set: worker id → heartbeat expiry (unix seconds)
+    pagedserve:worker:{worker_id}  WorkerInfo, expiring with the heartbeat
+    pagedserve:cancel              pub/sub channel of request ids to abort
+    pagedserve:cancelled:{id}      set when a request was cancelled before a worker took it
+    pagedserve:admitted:{id}       set at admission, so a retried admission queues nothing
 
 Both sides fold a request's chunks with the same `OutputLog`, so a worker that takes over a
 request from a dead one resumes from exactly what the client has been sent.
@@ -12,9 +26,52 @@ from __future__ import annotations
 import msgspec
 
 from pagedserve.common.outputs import Logprobs
+from pagedserve.common.queue_scripts import ACK_IF_OWNER as ACK_IF_OWNER
+from pagedserve.common.queue_scripts import ADMIT as ADMIT
+from pagedserve.common.queue_scripts import HEARTBEAT as HEARTBEAT
+from pagedserve.common.queue_scripts import TAKEN as TAKEN
 from pagedserve.common.sampling_params import SamplingParams
 
+# -- keys ---------------------------------------------------------------------------------
+REQUESTS = "pagedserve:requests"
+GROUP = "workers"
+QUEUED = "pagedserve:queued"
+QUEUED_TOKENS = "pagedserve:queued_tokens"
+WORKERS = "pagedserve:workers"
+CANCEL_CHANNEL = "pagedserve:cancel"
+#: how long a finished or abandoned output stream is kept (seconds)
+OUTPUT_TTL = 600
 
+
+def output_key(request_id: str) -> str:
+    return f"pagedserve:out:{request_id}"
+
+
+def cancelled_key(request_id: str) -> str:
+    return f"pagedserve:cancelled:{request_id}"
+
+
+def admitted_key(request_id: str) -> str:
+    return f"pagedserve:admitted:{request_id}"
+
+
+def worker_key(worker_id: str) -> str:
+    return f"pagedserve:worker:{worker_id}"
+
+
+# -- fields of the stream entries ---------------------------------------------------------
+# Bytes, as redis-py returns field names; it writes them unchanged, so the same constant
+# names a field on XADD and on read.
+
+#: an entry of REQUESTS: the encoded QueuedRequest (written by the ADMIT script)
+REQUEST_FIELD = b"m"
+#: an entry of REQUESTS: its number of prompt tokens, a decimal string (written by ADMIT)
+PROMPT_TOKENS_FIELD = b"t"
+#: an entry of output_key(request_id): one encoded Chunk
+CHUNK_FIELD = b"c"
+
+
+# -- messages -----------------------------------------------------------------------------
 class QueuedRequest(msgspec.Struct, kw_only=True):
     """One prompt's request, tokenized and validated by the gateway."""
 
@@ -23,7 +80,6 @@ class QueuedRequest(msgspec.Struct, kw_only=True):
     params: SamplingParams  # validated again on decode (SamplingParams.__post_init__)
     cache_salt: str | None = None  # the tenant: requests with different salts share no KV block
     deadline: float  # unix seconds: past it the request ends with a timeout error
-    enqueued_at: float  # unix seconds
     traceparent: str | None = None  # W3C trace context of the gateway's span
 
 
@@ -127,6 +183,7 @@ class OutputLog:
         return sum(len(c.token_ids) for c in self.completions)
 
 
+# -- encoding -----------------------------------------------------------------------------
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(QueuedRequest)
 _chunk_decoder = msgspec.msgpack.Decoder(Chunk)

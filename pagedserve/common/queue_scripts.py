@@ -1,50 +1,17 @@
-"""The Redis queue between gateway and workers: key names and the scripts that keep it
-consistent. The gateway uses them through redis.asyncio, the worker through redis.
-
-    pagedserve:requests            stream of QueuedRequest; consumer group "workers"
-    pagedserve:queued              requests admitted and not yet pulled by a worker
-    pagedserve:queued_tokens       their prompt tokens
-    pagedserve:out:{request_id}    stream of Chunk, read by the gateway that admitted it
-    pagedserve:workers             sorted set: worker id → heartbeat expiry (unix seconds)
-    pagedserve:worker:{worker_id}  WorkerInfo, expiring with the heartbeat
-    pagedserve:cancel              pub/sub channel of request ids to abort
-    pagedserve:cancelled:{id}      set when a request was cancelled before a worker took it
-    pagedserve:admitted:{id}       set at admission, so a retried admission queues nothing
+"""The Lua scripts that keep the Redis queue between gateway and workers consistent: each
+runs atomically in Redis. The keys and entry fields they touch are named in
+`pagedserve.common.queue_protocol`, which also exports these scripts to both sides (the
+gateway runs them through redis.asyncio, the worker through redis).
 """
 
 from __future__ import annotations
-
-REQUESTS = "pagedserve:requests"
-GROUP = "workers"
-QUEUED = "pagedserve:queued"
-QUEUED_TOKENS = "pagedserve:queued_tokens"
-WORKERS = "pagedserve:workers"
-CANCEL_CHANNEL = "pagedserve:cancel"
-#: how long a finished or abandoned output stream is kept (seconds)
-OUTPUT_TTL = 600
-
-
-def output_key(request_id: str) -> str:
-    return f"pagedserve:out:{request_id}"
-
-
-def cancelled_key(request_id: str) -> str:
-    return f"pagedserve:cancelled:{request_id}"
-
-
-def admitted_key(request_id: str) -> str:
-    return f"pagedserve:admitted:{request_id}"
-
-
-def worker_key(worker_id: str) -> str:
-    return f"pagedserve:worker:{worker_id}"
-
 
 #: Admission: one atomic "is there a live worker and room in the queue? then XADD".
 #: KEYS: requests, queued, queued_tokens, workers, admitted marker of this request. ARGV:
 #: max_queued, max_queued_tokens, prompt tokens, message. Returns {1, entry id},
 #: {1, "again"} (a retry of an admitted request: nothing more is queued), {0, "full"} or
-#: {0, "no_worker"}.
+#: {0, "no_worker"}. The entry's fields are queue_protocol.REQUEST_FIELD ('m': the message)
+#: and PROMPT_TOKENS_FIELD ('t': its prompt tokens).
 #: A single request larger than the token bound is let in when the queue is empty, or it
 #: could never run; the gateway bounds prompt sizes on its own.
 ADMIT = """
@@ -90,8 +57,9 @@ return 1
 #: resets the idle time without counting a delivery) so XAUTOCLAIM only ever takes entries
 #: of workers that stopped beating. Entries another worker has taken are returned: the
 #: caller aborts them. Entries gone from the queue (Redis restarted empty) are not: their
-#: worker keeps writing their output, which the gateway still reads. KEYS: requests, workers, worker info key. ARGV: group, consumer,
-#: ttl in milliseconds, info, entry ids...
+#: worker keeps writing their output, which the gateway still reads.
+#: KEYS: requests, workers, worker info key. ARGV: group, consumer, ttl in milliseconds, info,
+#: entry ids...
 HEARTBEAT = """
 local now = redis.call('TIME')
 local t = tonumber(now[1]) + tonumber(now[2]) / 1e6

@@ -1,0 +1,60 @@
+"""What a request must pass before anything is queued: the caller's API key, the model name,
+each prompt, and the admission limits (drain, max_tokens). Each check raises the
+`PagedServeError` the client sees."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from litestar import Request
+
+from pagedserve.common.errors import (
+    AuthenticationError,
+    InvalidParameterError,
+    ServiceUnavailableError,
+    UnknownModelError,
+    check_context,
+)
+from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.gateway.auth import tenant_for
+
+if TYPE_CHECKING:
+    from pagedserve.gateway.app import GatewayState
+
+
+def authenticate(state: GatewayState, request: Request) -> str | None:
+    """The caller's tenant (the prefix-cache salt); None when the server has no keys."""
+    if not state.api_keys:
+        return None
+    tenant = tenant_for(state.api_keys, request.headers.get("authorization"))
+    if tenant is None:
+        raise AuthenticationError("a valid API key is required (Authorization: Bearer KEY)")
+    return tenant
+
+
+def check_model(state: GatewayState, model: str) -> None:
+    if model not in state.model_names:
+        raise UnknownModelError(f"the model {model!r} does not exist; this server serves {state.model_names[0]!r}", param="model")
+
+
+def check_prompt(state: GatewayState, token_ids: list[int], params: SamplingParams) -> None:
+    config, limit = state.config, state.max_model_len
+    if not token_ids:
+        raise InvalidParameterError("prompt", "the prompt is empty")
+    vocab = state.vocab_size
+    if not all(0 <= t < vocab for t in token_ids):
+        raise InvalidParameterError("prompt", f"token ids must be integers in [0, {vocab})")
+    if config.max_prompt_tokens is not None and len(token_ids) > config.max_prompt_tokens:
+        raise InvalidParameterError("prompt", f"has {len(token_ids)} tokens; this server takes at most {config.max_prompt_tokens}")
+    check_context(len(token_ids), limit, params.max_tokens)
+
+
+def check_admission(state: GatewayState, prompts: list[list[int]], params: SamplingParams) -> None:
+    """May these prompts be queued: not draining, max_tokens within bounds, every prompt valid."""
+    if state.drain_deadline is not None:
+        raise ServiceUnavailableError("the server is shutting down")
+    config = state.config
+    if config.max_tokens_limit is not None and params.max_tokens is not None and params.max_tokens > config.max_tokens_limit:
+        raise InvalidParameterError("max_tokens", f"must be <= {config.max_tokens_limit}")
+    for ids in prompts:
+        check_prompt(state, ids, params)
