@@ -1,6 +1,6 @@
 """What decode attention costs per engine step, beside the matmuls of the same step.
 
-    python bench/attention_cost.py [--batch 64] [--context 190] [--dtype float32]
+    python -m pagedserve.bench.attention_cost [--batch 64] [--context 190] [--dtype float32]
 
 Builds one decode step of the default model's shape (SmolLM2-135M: 30 layers, 9 query
 heads, 3 KV heads, head_dim 64) over a shuffled paged pool and times, per step (all

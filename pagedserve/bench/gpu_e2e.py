@@ -1,7 +1,7 @@
 """End-to-end figures of the engine on a GPU, and the checks behind them, in one call.
 
-    python bench/gpu_e2e.py            # on an NVIDIA GPU (issue #4's end-to-end figures)
-    python bench/gpu_e2e.py --smoke    # a tiny model; runs anywhere (TRITON_INTERPRET=1 on CPU)
+    python -m pagedserve.bench.gpu_e2e            # on an NVIDIA GPU (issue #4's end-to-end figures)
+    python -m pagedserve.bench.gpu_e2e --smoke    # a tiny model; runs anywhere (TRITON_INTERPRET=1 on CPU)
 
 1. Check: greedy token ids of a tiny random Llama through the engine (Triton backend,
    decode steps from CUDA graphs on a GPU) equal the same engine with --enforce-eager and
@@ -176,7 +176,7 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="a tiny model, to check the script itself")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
-    from gpu_kernels import copy_bandwidth, pick_device
+    from pagedserve.bench.gpu_kernels import copy_bandwidth, pick_device
 
     picked = pick_device(args.smoke)
     if picked is None:

@@ -1,7 +1,7 @@
 """Check and time the Triton attention kernel on a GPU, in one call, and print a table.
 
-    python bench/gpu_kernels.py            # on an NVIDIA GPU (issue #4's figures)
-    python bench/gpu_kernels.py --smoke    # tiny shapes; runs anywhere (TRITON_INTERPRET=1 on CPU)
+    python -m pagedserve.bench.gpu_kernels            # on an NVIDIA GPU (issue #4's figures)
+    python -m pagedserve.bench.gpu_kernels --smoke    # tiny shapes; runs anywhere (TRITON_INTERPRET=1 on CPU)
 
 - copy bandwidth: a large device-to-device copy, the ceiling for memory-bound kernels;
 - decode attention, batch 64, contexts 1k-8k, Llama-3-8B heads (32 query, 8 KV, head_dim
@@ -10,7 +10,8 @@
   on the same shapes (target >= 0.8x).
 Every timed case is first checked against the torch backend.
 
-The end-to-end figures (a Llama-3-8B-shaped model against transformers) are bench/gpu_e2e.py's.
+The end-to-end figures (a Llama-3-8B-shaped model against transformers) are
+pagedserve.bench.gpu_e2e's.
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
 """The `serve` workload (shared/bench/WORKLOADS.md) through HTTP beside the same requests
 in-process through `LLM.generate`, in one run, on the same model, dtype and threads.
 
-    .venv/bin/python bench/serve_vs_inprocess.py [--num-requests 200] [--max-concurrency 64]
+    .venv/bin/python -m pagedserve.bench.serve_vs_inprocess [--num-requests 200] [--max-concurrency 64]
 
 Both sides run at most `--max-concurrency` requests at once (the server's --max-num-seqs and
 the engine's max_num_seqs), so the ratio shows what the gateway, the queue and streaming
-cost, not a different batch size.
+cost, not a different batch size. The server is `pagedserve serve` started as a user starts
+it, as a process with its own embedded Redis.
 """
 
 from __future__ import annotations
@@ -14,11 +15,53 @@ import argparse
 import asyncio
 import json
 import math
+import os
+import signal
+import socket
+import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+API_KEY = "sk-bench"
+
+
+@contextmanager
+def pagedserve_serve(model: str, *flags: str, timeout: float = 600.0):
+    """`pagedserve serve` (its own Redis, as no --redis-url is given) on a free port; yields
+    its base URL once /ready answers, and stops it with SIGTERM on leaving."""
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base_url = f"http://127.0.0.1:{port}"
+    env = dict(os.environ, PAGEDSERVE_API_KEYS=f"{API_KEY}:bench")
+    process = subprocess.Popen([sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", "--model", model,
+                                "--port", str(port), "--log-level", "warning", *flags], env=env)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"pagedserve serve exited with {process.returncode}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"pagedserve serve was not ready within {timeout:g} s")
+            try:
+                if httpx.get(base_url + "/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        yield base_url
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
 
 
 def in_process(model: str, dtype: str, threads: int, max_seqs: int, prompts, output_lens) -> dict:
@@ -37,20 +80,14 @@ def in_process(model: str, dtype: str, threads: int, max_seqs: int, prompts, out
 
 
 def over_http(model: str, dtype: str, threads: int, max_seqs: int, prompts, output_lens, concurrency: int) -> dict:
-    from pagedserve.common.serve_bench import run_benchmark, summarize
-    from pagedserve.entrypoints.redis_server import EmbeddedRedis
+    from pagedserve.bench.metrics import summarize
+    from pagedserve.bench.serve import run_benchmark
 
-    from serve_helpers import LiveServer
-
-    with EmbeddedRedis() as redis_server:
-        server = LiveServer(model, redis_server.url, "--num-workers", "1", "--dtype", dtype, "--num-threads", str(threads),
-                            "--max-num-seqs", str(max_seqs)).wait_ready()
-        try:
-            asyncio.run(run_benchmark(server.base_url, [prompts[0][:16]], [2], api_key="sk-test-a", progress=False))
-            records, duration = asyncio.run(run_benchmark(server.base_url, prompts, output_lens, math.inf, concurrency,
-                                                          api_key="sk-test-a", progress=False))
-        finally:
-            server.stop()
+    flags = ("--num-workers", "1", "--dtype", dtype, "--num-threads", str(threads), "--max-num-seqs", str(max_seqs))
+    with pagedserve_serve(model, *flags) as base_url:
+        asyncio.run(run_benchmark(base_url, [prompts[0][:16]], [2], api_key=API_KEY, progress=False))  # warm up
+        records, duration = asyncio.run(run_benchmark(base_url, prompts, output_lens, math.inf, concurrency,
+                                                      api_key=API_KEY, progress=False))
     return summarize(records, duration)
 
 
@@ -63,8 +100,8 @@ def main() -> int:
     parser.add_argument("--max-concurrency", type=int, default=64)
     args = parser.parse_args()
 
+    from pagedserve.bench.workloads import serve_workload
     from pagedserve.common.model_store import resolve_model
-    from pagedserve.common.serve_bench import serve_workload
 
     model_dir = resolve_model(args.model)
     vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]

@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 
+from pagedserve.bench.cli import add_bench_parsers
 from pagedserve.common.config import DEFAULT_MODEL
 from pagedserve.common.errors import InvalidParameterError, PagedServeError
 
@@ -68,48 +69,6 @@ def _plan(args) -> int:
                   args.kv_dtype, args.block_size, args.reserve, lengths)
     print(format_plan(result, args.context))
     return 0
-
-
-def _bench_offline(args) -> int:
-    from pagedserve.worker.offline_bench import run
-
-    return run(args)
-
-
-def _bench_serve(args) -> int:
-    import asyncio
-    import json
-    import math
-
-    from pagedserve.common.serve_bench import (
-        format_summary,
-        parse_slo,
-        run_benchmark,
-        serve_workload,
-        summarize,
-    )
-
-    slo = parse_slo(args.slo)
-    prompts, output_lens = serve_workload(args.num_requests, args.vocab_size)
-    summaries = []
-    for rate_text in args.request_rate.split(","):
-        rate = math.inf if rate_text.strip() == "inf" else float(rate_text)
-        records, duration = asyncio.run(run_benchmark(
-            args.base_url, prompts, output_lens, rate, args.max_concurrency, args.model, args.api_key,
-            progress=not args.no_progress,
-        ))
-        summary = {"request_rate": rate_text.strip(), **summarize(records, duration, slo)}
-        summaries.append(summary)
-        print(f"workload=serve requests={len(prompts)} rate={rate_text.strip()} max_concurrency={args.max_concurrency}")
-        print(format_summary(summary))
-    if args.plot:
-        from pagedserve.common.plots import plot_latency_curve
-
-        points = [{"label": f"rate={s['request_rate']}", **s} for s in summaries]
-        plot_latency_curve(points, args.plot, f"pagedserve bench serve: {args.base_url}, concurrency {args.max_concurrency}")
-    if args.json:
-        print(json.dumps(summaries if len(summaries) > 1 else summaries[0]))
-    return 0 if all(s["failed"] == 0 for s in summaries) else 1
 
 
 def _service_configs(args):
@@ -227,37 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--lengths", default=None, help="typical sequence lengths: 'uniform:LO:HI' or '100,900,...'")
     pl.set_defaults(func=_plan)
 
-    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
-    offline = bench.add_parser("offline", help="in-process throughput on the reference workloads")
-    offline.add_argument("--workload", default="fixed", choices=["fixed", "mixed", "shared-prefix"])
-    offline.add_argument("--model", default=DEFAULT_MODEL)
-    offline.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    offline.add_argument("--threads", type=int, default=2)
-    offline.add_argument("--max-num-batched-tokens", type=int, default=None,
-                         help="token budget of one step (default: the engine's, 2048 on CPU)")
-    offline.add_argument("--max-num-seqs", default="256", help="one value, or a comma list to sweep (with --plot)")
-    offline.add_argument("--no-prefix-caching", action="store_true")
-    offline.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 2GiB (default: the engine's)")
-    offline.add_argument("--compare", default="", choices=["", "transformers"],
-                         help="also run transformers generate (static batches of 16) and generate_batch")
-    offline.add_argument("--peers", default="", help="comma list of peers to run: generate,generate_batch")
-    offline.add_argument("--json", action="store_true", help="also print the rows as JSON")
-    offline.add_argument("--plot", default=None, metavar="FILE.png", help="throughput-latency curve and percentiles")
-    offline.set_defaults(func=_bench_offline)
-    online = bench.add_parser("serve", help="online benchmark of any OpenAI-compatible server, streaming")
-    online.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
-    online.add_argument("--workload", default="serve", choices=["serve"])
-    online.add_argument("--request-rate", default="inf", help="Poisson arrivals per second, or inf; a comma list sweeps")
-    online.add_argument("--max-concurrency", type=int, default=64)
-    online.add_argument("--num-requests", type=int, default=200)
-    online.add_argument("--vocab-size", type=int, default=49152, help="prompt token ids are drawn below this")
-    online.add_argument("--model", default=None, help="model name to send (default: the first of /v1/models)")
-    online.add_argument("--api-key", default=None)
-    online.add_argument("--slo", default=None, help="e.g. ttft=500,tpot=50 (milliseconds), for goodput")
-    online.add_argument("--no-progress", action="store_true")
-    online.add_argument("--json", action="store_true")
-    online.add_argument("--plot", default=None, metavar="FILE.png", help="throughput-latency curve and percentiles")
-    online.set_defaults(func=_bench_serve)
+    add_bench_parsers(sub)
 
     models = sub.add_parser("models", help="fetch and list models").add_subparsers(dest="models_command", required=True)
     pull = models.add_parser("pull", help="fetch and convert a known model into the cache")

@@ -99,13 +99,13 @@ def test_engine_on_triton_matches_transformers(tiny_checkpoint):
     assert ours == hf_greedy(model_dir, prompts, 6)
 
 
-def _run_gpu_kernels_script(env: dict[str, str], name: str = "gpu_kernels.py") -> str:
+def _run_gpu_kernels_script(env: dict[str, str], name: str = "gpu_kernels") -> str:
+    """`python -m pagedserve.bench.<name> --smoke`, as the scripts' docstrings say to run them."""
     import subprocess
     import sys
-    from pathlib import Path
 
-    script = Path(__file__).resolve().parents[2] / "pagedserve" / "bench" / name
-    done = subprocess.run([sys.executable, str(script), "--smoke"], capture_output=True, text=True, env=env, timeout=600)
+    command = [sys.executable, "-m", f"pagedserve.bench.{name}", "--smoke"]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout
 
@@ -134,7 +134,7 @@ def test_gpu_e2e_script_on_the_interpreter():
     check passes with the graph path run eagerly, and it prints both systems' figures."""
     import os
 
-    out = _run_gpu_kernels_script({**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}, "gpu_e2e.py")
+    out = _run_gpu_kernels_script({**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}, "gpu_e2e")
     assert "graphs True, eager True; graph path run eagerly" in out
     assert "memory-bandwidth utilisation" in out and out.strip().endswith("all checks passed")
 
@@ -145,5 +145,5 @@ def test_cuda_graphs_and_e2e_script_on_gpu():
     import os
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = _run_gpu_kernels_script(env, "gpu_e2e.py")
+    out = _run_gpu_kernels_script(env, "gpu_e2e")
     assert "graphs True, eager True; CUDA graphs" in out and out.strip().endswith("all checks passed")

@@ -1,6 +1,6 @@
 """Decode steps through the CUDA-graph path: static buffers, batches padded up to a bucket,
 a plan fixed for the longest context. On CPU the path runs eagerly (no CUDA graphs exist
-there) in Triton's interpreter; the capture itself is checked by bench/gpu_e2e.py on a GPU."""
+there) in Triton's interpreter; the capture itself is checked by pagedserve.bench.gpu_e2e on a GPU."""
 
 from __future__ import annotations
 

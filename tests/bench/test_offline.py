@@ -5,20 +5,8 @@ from __future__ import annotations
 import json
 
 from pagedserve.entrypoints.cli import main
-from pagedserve.worker.offline_bench import workload
 
 from tiny_models import build_checkpoint
-
-
-def test_workloads_follow_their_definition():
-    prompts, outputs = workload("fixed", 49152)
-    assert len(prompts) == 64 and {len(p) for p in prompts} == {128} and outputs == [64] * 64
-    prompts, outputs = workload("mixed", 49152)
-    assert len(prompts) == 64 and all(16 <= len(p) <= 512 for p in prompts) and all(16 <= n <= 256 for n in outputs)
-    assert all(100 <= t < 49052 for p in prompts for t in p)
-    prompts, outputs = workload("shared-prefix", 49152)
-    assert {tuple(p[:512]) for p in prompts} == {tuple(prompts[0][:512])} and {len(p) for p in prompts} == {544}
-    assert len({tuple(p[512:]) for p in prompts}) == 64 and outputs == [32] * 64
 
 
 def test_bench_offline_runs_pagedserve_and_both_peers(tiny_checkpoint, capsys):

@@ -1,4 +1,5 @@
-"""`pagedserve bench offline`: throughput on the reference workloads of WORKLOADS.md.
+"""`pagedserve bench offline`: throughput on the reference workloads of WORKLOADS.md
+(pagedserve.bench.workloads), in this process.
 
     pagedserve bench offline --workload fixed|mixed|shared-prefix [--dtype D] [--compare transformers]
 
@@ -14,25 +15,10 @@ import argparse
 import json
 import time
 
-import numpy as np
 import torch
 
-from pagedserve.common.serve_bench import latency_stats, mixed_workload
-
-
-def workload(name: str, vocab_size: int) -> tuple[list[list[int]], list[int]]:
-    """(prompts as token ids, output lengths) exactly as WORKLOADS.md defines them."""
-    if name == "fixed":
-        rng = np.random.default_rng(0)
-        prompts = [rng.integers(100, vocab_size - 100, size=128).tolist() for _ in range(64)]
-        return prompts, [64] * 64
-    if name == "mixed":
-        return mixed_workload(64, vocab_size)
-    if name == "shared-prefix":
-        prefix = np.random.default_rng(2).integers(100, vocab_size - 100, size=512).tolist()
-        prompts = [prefix + np.random.default_rng(3 + i).integers(100, vocab_size - 100, size=32).tolist() for i in range(64)]
-        return prompts, [32] * 64
-    raise SystemExit(f"unknown workload {name!r}")
+from pagedserve.bench.metrics import latency_stats
+from pagedserve.bench.workloads import workload
 
 
 def run_pagedserve(args, prompts, out_lens):
@@ -154,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
         elapsed, extra = systems[name](args, prompts, out_lens)
         rows.append({"system": name, "seconds": elapsed, "output_tok_s": num_out / elapsed, "total_tok_s": num_total / elapsed, **extra})
     if args.plot:
-        from pagedserve.common.plots import plot_latency_curve
+        from pagedserve.bench.plots import plot_latency_curve
 
         points = [{"label": r["system"].removeprefix("pagedserve "), "output_throughput": r["output_tok_s"], **r}
                   for r in rows if "ttft" in r]

@@ -9,14 +9,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from pagedserve.bench.metrics import RequestRecord, parse_slo, percentile, summarize
+from pagedserve.bench.workloads import serve_workload
 from pagedserve.common.errors import InvalidParameterError
-from pagedserve.common.serve_bench import (
-    RequestRecord,
-    parse_slo,
-    percentile,
-    serve_workload,
-    summarize,
-)
 from pagedserve.entrypoints.cli import main
 
 
@@ -46,12 +41,6 @@ def test_metrics_on_a_synthetic_timeline():
     assert parse_slo("ttft=500,tpot=50") == {"ttft": 500.0, "tpot": 50.0}
     with pytest.raises(InvalidParameterError):
         parse_slo("ttft=fast")
-
-
-def test_serve_workload_has_the_mixed_shapes():
-    prompts, outputs = serve_workload(200)
-    assert len(prompts) == len(outputs) == 200
-    assert all(16 <= len(p) <= 512 for p in prompts) and all(16 <= n <= 256 for n in outputs)
 
 
 class _FakeOpenAI(BaseHTTPRequestHandler):

@@ -1,9 +1,4 @@
-"""`pagedserve bench serve`: an online benchmark client for any OpenAI-compatible server.
-
-Sends the `serve` workload of WORKLOADS.md (token-id prompts of the `mixed` shapes) to
-`/v1/completions` with streaming, at Poisson arrivals of a given rate (or all at once) and
-at most `max_concurrency` in flight, and reports what vLLM's benchmark client reports, with
-the same definitions:
+"""The figures of the benchmarks, with the definitions of vLLM's benchmark client:
 
 - TTFT: from sending a request to its first streamed token;
 - TPOT: per request, (E2E − TTFT) / (output tokens − 1), then averaged over requests;
@@ -14,11 +9,7 @@ the same definitions:
 
 from __future__ import annotations
 
-import asyncio
-import json
 import math
-import random
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -121,108 +112,6 @@ def parse_slo(text: str | None) -> dict[str, float]:
         except ValueError:
             raise InvalidParameterError("slo", f"cannot read {part!r}; write e.g. ttft=500,tpot=50") from None
     return out
-
-
-def mixed_workload(num_requests: int, vocab_size: int) -> tuple[list[list[int]], list[int]]:
-    """Prompt lengths uniform 16..512 (seed 0), then each prompt's ids, then output lengths
-    uniform 16..256 (seed 1): `mixed` is 64 of these, `serve` 200."""
-    import numpy as np
-
-    rng = np.random.default_rng(0)
-    lengths = rng.integers(16, 513, size=num_requests)
-    prompts = [rng.integers(100, vocab_size - 100, size=int(n)).tolist() for n in lengths]
-    outputs = np.random.default_rng(1).integers(16, 257, size=num_requests).tolist()
-    return prompts, outputs
-
-
-def serve_workload(num_requests: int = 200, vocab_size: int = 49152) -> tuple[list[list[int]], list[int]]:
-    """The `serve` workload: prompts and output lengths drawn as `mixed` draws them."""
-    return mixed_workload(num_requests, vocab_size)
-
-
-async def _send(client, url: str, model: str, prompt: list[int], max_tokens: int, headers: dict) -> RequestRecord:
-    record = RequestRecord(prompt_tokens=len(prompt), start=time.perf_counter())
-    body = {
-        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-        "stream_options": {"include_usage": True}, "ignore_eos": True,
-    }
-    chunks_with_text = 0
-    try:
-        async with client.stream("POST", url, json=body, headers=headers) as response:
-            if response.status_code != 200:
-                text = (await response.aread()).decode(errors="replace")
-                record.error = f"HTTP {response.status_code}: {text[:200]}"
-                return record
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                event = json.loads(data)
-                if "error" in event:  # an error after the stream began
-                    record.error = str(event["error"].get("message", event["error"]))
-                    return record
-                if event.get("choices") and event["choices"][0].get("text"):
-                    record.chunk_times.append(time.perf_counter())
-                    chunks_with_text += 1
-                if event.get("usage"):
-                    record.output_tokens = event["usage"].get("completion_tokens", 0)
-        record.end = time.perf_counter()
-        if not record.output_tokens:
-            record.output_tokens = chunks_with_text  # servers without usage: one token a chunk
-    except Exception as exc:  # a failed request is counted, never fatal to the run
-        record.error = f"{type(exc).__name__}: {exc}"
-    return record
-
-
-async def run_benchmark(
-    base_url: str,
-    prompts: Sequence[list[int]],
-    output_lens: Sequence[int],
-    request_rate: float = math.inf,
-    max_concurrency: int = 64,
-    model: str | None = None,
-    api_key: str | None = None,
-    seed: int = 0,
-    progress: bool = True,
-) -> tuple[list[RequestRecord], float]:
-    """Send every request; return their records and the wall time of the whole run."""
-    import httpx
-
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    base = base_url.rstrip("/")
-    timeout = httpx.Timeout(None, connect=30.0)
-    async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=max_concurrency)) as client:
-        if model is None:
-            listing = (await client.get(f"{base}/v1/models", headers=headers)).json()
-            model = listing["data"][0]["id"]
-        semaphore = asyncio.Semaphore(max_concurrency)
-        rng = random.Random(seed)
-        bar = None
-        if progress:
-            from tqdm import tqdm
-
-            bar = tqdm(total=len(prompts), desc="requests", unit="req")
-
-        async def one(prompt, n):
-            async with semaphore:
-                record = await _send(client, f"{base}/v1/completions", model, prompt, n, headers)
-            if bar is not None:
-                bar.update(1)
-            return record
-
-        start = time.perf_counter()
-        tasks = []
-        for prompt, n in zip(prompts, output_lens):
-            tasks.append(asyncio.create_task(one(prompt, n)))
-            if math.isfinite(request_rate):
-                await asyncio.sleep(rng.expovariate(request_rate))
-        records = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
-        if bar is not None:
-            bar.close()
-    return list(records), duration
 
 
 def format_summary(s: dict) -> str:

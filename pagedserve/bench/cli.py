@@ -1,0 +1,57 @@
+"""The `pagedserve bench offline|serve` subcommands, hooked into the `pagedserve` parser by
+`add_bench_parsers`. The runners import lazily, so `pagedserve --help` loads no torch."""
+
+from __future__ import annotations
+
+import argparse
+
+from pagedserve.bench.workloads import OFFLINE_WORKLOADS, SERVE_WORKLOADS
+from pagedserve.common.config import DEFAULT_MODEL
+
+
+def _bench_offline(args: argparse.Namespace) -> int:
+    from pagedserve.bench.offline import run
+
+    return run(args)
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    from pagedserve.bench.serve import run
+
+    return run(args)
+
+
+def add_bench_parsers(sub: argparse._SubParsersAction) -> None:
+    """Add `bench` with its `offline` and `serve` subcommands to the top-level subparsers."""
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
+    offline = bench.add_parser("offline", help="in-process throughput on the reference workloads")
+    offline.add_argument("--workload", default="fixed", choices=list(OFFLINE_WORKLOADS))
+    offline.add_argument("--model", default=DEFAULT_MODEL)
+    offline.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    offline.add_argument("--threads", type=int, default=2)
+    offline.add_argument("--max-num-batched-tokens", type=int, default=None,
+                         help="token budget of one step (default: the engine's, 2048 on CPU)")
+    offline.add_argument("--max-num-seqs", default="256", help="one value, or a comma list to sweep (with --plot)")
+    offline.add_argument("--no-prefix-caching", action="store_true")
+    offline.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 2GiB (default: the engine's)")
+    offline.add_argument("--compare", default="", choices=["", "transformers"],
+                         help="also run transformers generate (static batches of 16) and generate_batch")
+    offline.add_argument("--peers", default="", help="comma list of peers to run: generate,generate_batch")
+    offline.add_argument("--json", action="store_true", help="also print the rows as JSON")
+    offline.add_argument("--plot", default=None, metavar="FILE.png", help="throughput-latency curve and percentiles")
+    offline.set_defaults(func=_bench_offline)
+
+    online = bench.add_parser("serve", help="online benchmark of any OpenAI-compatible server, streaming")
+    online.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
+    online.add_argument("--workload", default="serve", choices=list(SERVE_WORKLOADS))
+    online.add_argument("--request-rate", default="inf", help="Poisson arrivals per second, or inf; a comma list sweeps")
+    online.add_argument("--max-concurrency", type=int, default=64)
+    online.add_argument("--num-requests", type=int, default=200)
+    online.add_argument("--vocab-size", type=int, default=49152, help="prompt token ids are drawn below this")
+    online.add_argument("--model", default=None, help="model name to send (default: the first of /v1/models)")
+    online.add_argument("--api-key", default=None)
+    online.add_argument("--slo", default=None, help="e.g. ttft=500,tpot=50 (milliseconds), for goodput")
+    online.add_argument("--no-progress", action="store_true")
+    online.add_argument("--json", action="store_true")
+    online.add_argument("--plot", default=None, metavar="FILE.png", help="throughput-latency curve and percentiles")
+    online.set_defaults(func=_bench_serve)
