@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.kernels.attention_backend import AttentionMetadata
+from pagedserve.common.contracts import AttentionMetadata
 
 
 def build_batch(query_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0):

@@ -16,7 +16,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from pagedserve.kernels.attention_backend import AttentionMetadata
+from pagedserve.common.contracts import AttentionMetadata
 from pagedserve.kernels.cpu_attention import CPUAttentionBackend, cpu_kernels
 from pagedserve.kernels.torch_attention import TorchAttentionBackend
 

@@ -112,8 +112,8 @@ def run_pagedserve(model_dir: Path, device: torch.device, batches, prompt_len, o
     llm = _llm(model_dir, device, False, dtype="bfloat16", load_format="dummy", max_num_seqs=max(batches),
                kv_cache_memory=kv_bytes)
     runner = llm.engine.runner
-    weight_bytes = sum(p.numel() * p.element_size() for n, p in llm.engine.model.named_parameters()
-                       if not n.startswith("embed_tokens") or llm.engine.model.lm_head is None)
+    weight_bytes = sum(p.numel() * p.element_size() for n, p in llm.engine.runner.model.named_parameters()
+                       if not n.startswith("embed_tokens") or llm.engine.runner.model.lm_head is None)
     steps: list[float] = []
     original = runner.run
 

@@ -46,7 +46,7 @@ def copy_bandwidth(device: torch.device, num_bytes: int, repeat: int) -> float:
 
 
 def _batch(query_lens, seq_lens, heads, kv_heads, head_dim, block_size, dtype, device, seed=0):
-    from pagedserve.kernels.attention_backend import AttentionMetadata
+    from pagedserve.common.contracts import AttentionMetadata
 
     g = torch.Generator().manual_seed(seed)
     blocks_per_seq = [-(-s // block_size) for s in seq_lens]

@@ -37,7 +37,7 @@ def run_pagedserve(args, prompts, out_lens):
     # Where the wall time goes: the model forward, the rest of ModelRunner.run (batch
     # building, sampling), and everything else (scheduling, detokenizing, bookkeeping).
     spent = {"forward": 0.0, "runner": 0.0}
-    model_forward = engine.model.forward
+    model_forward = engine.runner.model.forward
     runner_run = engine.runner.run
 
     def timed(key, fn):
@@ -48,12 +48,12 @@ def run_pagedserve(args, prompts, out_lens):
             return result
         return wrapper
 
-    engine.model.forward = timed("forward", model_forward)
+    engine.runner.model.forward = timed("forward", model_forward)
     engine.runner.run = timed("runner", runner_run)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - t0
-    del engine.model.forward, engine.runner.run
+    del engine.runner.model.forward, engine.runner.run
     extra = {"outside_forward_share": 1 - spent["forward"] / elapsed, "outside_runner_share": 1 - spent["runner"] / elapsed}
     ttft = [o.metrics.time_to_first_token for o in outs]
     e2e = [o.metrics.finished_time - o.metrics.arrival_time for o in outs]

@@ -1,4 +1,10 @@
-"""Results of a request, as the engine hands them out (and later the wire carries them)."""
+"""Results of a request, as the engine hands them out.
+
+Each engine step gives a `RequestDelta` per request it changed: only what is new (tokens,
+text, logprobs), made once by the worker's output processor. The worker forwards the
+`CompletionDelta`s unchanged to the gateway; `LLM.generate` keeps the final delta's
+`RequestOutput`, the whole result.
+"""
 
 from __future__ import annotations
 
@@ -29,7 +35,6 @@ class CompletionOutput(msgspec.Struct):
     finish_reason: str | None = None  # "stop", "length", "abort", "error", or None while running
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     logprobs: list[Logprobs] | None = None  # one entry per generated token, when asked
-    text_delta: str = ""  # text that is new since the previous output of this completion
 
     @property
     def finished(self) -> bool:
@@ -59,3 +64,30 @@ class RequestOutput(msgspec.Struct):
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None  # why the request failed, when the engine could not serve it
     metrics: RequestMetrics | None = None
+
+
+class CompletionDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What one step added to one completion; `start` is the index of its first token.
+
+    The queue carries it as is: the gateway accepts a delta only where it continues its
+    completion exactly (`start`), so a resumed request repeats and loses nothing.
+    """
+
+    index: int  # which of the n completions
+    start: int  # completion-token index of token_ids[0] (tokens of this completion before it)
+    token_ids: list[int] = []  # the new token ids
+    text: str = ""  # the text they add (may be empty: a partial character, a held-back stop)
+    logprobs: list[Logprobs] | None = None  # one per new token, when asked
+    finish_reason: str | None = None  # set on the completion's last delta
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+
+
+class RequestDelta(msgspec.Struct, kw_only=True):
+    """What one engine step changed in one request."""
+
+    request_id: str
+    deltas: list[CompletionDelta]  # the completions that changed, each at most once
+    finished: bool = False  # every completion has ended (or the request failed)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    error: str | None = None  # why the request failed, when the engine could not serve it
+    output: RequestOutput | None = None  # the whole result; only on the finished delta

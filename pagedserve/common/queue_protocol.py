@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import msgspec
 
-from pagedserve.common.outputs import Logprobs
+from pagedserve.common.outputs import CompletionDelta
 from pagedserve.common.queue_scripts import ACK_IF_OWNER as ACK_IF_OWNER
 from pagedserve.common.queue_scripts import ADMIT as ADMIT
 from pagedserve.common.queue_scripts import HEARTBEAT as HEARTBEAT
@@ -93,23 +93,11 @@ class WireError(msgspec.Struct, kw_only=True):
     status_code: int = 500
 
 
-class ChoiceDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """New tokens of one completion; `start` is the index of the first of them."""
-
-    index: int  # which of the n completions
-    start: int  # completion-token index of token_ids[0]
-    token_ids: list[int] = []
-    text: str = ""  # the text these tokens add (may be empty: a partial character, a held stop)
-    logprobs: list[Logprobs] | None = None  # one per token, when asked
-    finish_reason: str | None = None  # "stop" | "length" on the completion's last chunk
-    stop_reason: str | int | None = None
-
-
 class Chunk(msgspec.Struct, kw_only=True, omit_defaults=True):
     """One entry of a request's output stream (one per engine step that touched it)."""
 
     attempt: int  # the delivery this comes from: 1, then 2, … after a worker died
-    deltas: list[ChoiceDelta] = []
+    deltas: list[CompletionDelta] = []  # as the worker's output processor made them
     claim: bool = False  # a worker takes the request over from here: older attempts are void
     done: bool = False  # the final entry: every completion ended, or `error`
     error: WireError | None = None
@@ -156,7 +144,7 @@ class OutputLog:
         self.error: WireError | None = None
         self.num_cached_tokens = 0
 
-    def apply(self, chunk: Chunk) -> list[ChoiceDelta]:
+    def apply(self, chunk: Chunk) -> list[CompletionDelta]:
         """Fold one chunk in; returns the deltas that are new to the client."""
         if self.done or chunk.attempt < self.attempt:
             return []

@@ -33,7 +33,8 @@ def _chat(args) -> int:
     engine = llm.engine
     history: list[dict[str, str]] = []
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p)
-    print(f"pagedserve chat on {args.model} ({engine.device}, {str(engine.dtype).removeprefix('torch.')}); Ctrl-D to quit")
+    runner = engine.runner
+    print(f"pagedserve chat on {args.model} ({runner.device}, {str(runner.dtype).removeprefix('torch.')}); Ctrl-D to quit")
     turn = 0
     while True:
         try:
@@ -49,8 +50,9 @@ def _chat(args) -> int:
         reply = ""
         while engine.has_unfinished_requests():
             for out in engine.step():
-                print(out.outputs[0].text_delta, end="", flush=True)
-                reply = out.outputs[0].text
+                for delta in out.deltas:
+                    print(delta.text, end="", flush=True)
+                    reply += delta.text
         print()
         history.append({"role": "assistant", "content": reply})
 

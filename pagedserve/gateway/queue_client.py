@@ -19,7 +19,7 @@ from pagedserve.common import queue_protocol as q
 from pagedserve.common.config import ServeConfig
 from pagedserve.common.errors import QueueFullError, ServiceUnavailableError
 from pagedserve.common.queue_protocol import (
-    ChoiceDelta,
+    CompletionDelta,
     OutputLog,
     QueuedRequest,
     WorkerInfo,
@@ -93,7 +93,7 @@ class QueueClient:
                 raise
 
     async def outputs(self, request_id: str, n: int, deadline: float,
-                      give_up: Callable[[], bool] = lambda: False) -> AsyncIterator[tuple[list[ChoiceDelta], OutputLog]]:
+                      give_up: Callable[[], bool] = lambda: False) -> AsyncIterator[tuple[list[CompletionDelta], OutputLog]]:
         """The request's new deltas as they arrive, until its final outcome.
 
         Survives Redis going away for a while (the worker keeps its output until it can

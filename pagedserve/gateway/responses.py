@@ -14,7 +14,7 @@ from typing import Any
 import msgspec
 
 from pagedserve.common.outputs import Logprobs
-from pagedserve.common.queue_protocol import ChoiceDelta, OutputLog, WireError
+from pagedserve.common.queue_protocol import CompletionDelta, OutputLog, WireError
 
 _json = msgspec.json.Encoder()
 
@@ -37,11 +37,11 @@ class ResponseBuilder:
         self.num_chars: list[int] = [0] * num_choices  # text offsets, for completion logprobs
         self.finish_reasons: list[str | None] = [None] * num_choices
         self.error: WireError | None = None
-        self._pending: list[tuple[int, ChoiceDelta]] = []  # not yet streamed
+        self._pending: list[tuple[int, CompletionDelta]] = []  # not yet streamed
         self._role_sent: set[int] = set()
 
     # -- folding -----------------------------------------------------------------------------
-    def add(self, prompt_index: int, deltas: list[ChoiceDelta], log: OutputLog) -> None:
+    def add(self, prompt_index: int, deltas: list[CompletionDelta], log: OutputLog) -> None:
         self.logs[prompt_index] = log
         for d in deltas:
             choice = prompt_index * self.n + d.index

@@ -21,7 +21,7 @@ from litestar.response import Stream
 
 from pagedserve.common.config import ServeConfig
 from pagedserve.common.errors import PagedServeError
-from pagedserve.common.queue_protocol import ChoiceDelta, OutputLog, QueuedRequest, WireError
+from pagedserve.common.queue_protocol import CompletionDelta, OutputLog, QueuedRequest, WireError
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.gateway.errors import wire_error_response
 from pagedserve.gateway.queue_client import ShuttingDown
@@ -59,7 +59,7 @@ async def _admit(state: GatewayState, request: Request, prompts: list[list[int]]
     return queued
 
 
-async def _merged_outputs(state: GatewayState, queued: list[QueuedRequest]) -> AsyncIterator[tuple[int, list[ChoiceDelta], OutputLog]]:
+async def _merged_outputs(state: GatewayState, queued: list[QueuedRequest]) -> AsyncIterator[tuple[int, list[CompletionDelta], OutputLog]]:
     """(prompt index, new deltas, that prompt's log) across every prompt, as they come."""
     n = queued[0].params.n
     give_up = partial(_drain_expired, state)

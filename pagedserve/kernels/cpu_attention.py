@@ -16,7 +16,7 @@ import logging
 import platform
 from pathlib import Path
 
-from pagedserve.kernels.attention_backend import AttentionMetadata
+from pagedserve.common.contracts import AttentionMetadata
 from pagedserve.kernels.torch_attention import TorchAttentionBackend
 
 logger = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagedserve.kernels.attention_backend import AttentionBackend, AttentionMetadata
+from pagedserve.common.contracts import AttentionBackend, AttentionMetadata
 from pagedserve.kernels.reference_ops import kv_store_ref
 
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve.common.contracts import AttentionBackend, AttentionMetadata
 from pagedserve.kernels import triton_ops
-from pagedserve.kernels.attention_backend import AttentionBackend, AttentionMetadata
 
 triton = triton_ops.triton
 #: Triton's interpreter computes bfloat16 dot products wrongly, so there the operands are

@@ -6,8 +6,8 @@ import logging
 from importlib.metadata import entry_points
 from typing import Any
 
+from pagedserve.common.contracts import API_VERSION
 from pagedserve.common.errors import PluginError
-from pagedserve.plugins.base import API_VERSION
 
 logger = logging.getLogger(__name__)
 

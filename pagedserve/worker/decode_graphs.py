@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagedserve.kernels.attention_backend import AttentionMetadata
+from pagedserve.common.contracts import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 

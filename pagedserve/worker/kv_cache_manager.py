@@ -1,27 +1,53 @@
-"""`KVCacheManager`: gives requests KV blocks from the `BlockPool`, reusing cached prefixes."""
+"""`KVCacheManager`: gives sequences KV blocks from the `BlockPool`, reusing cached prefixes.
+
+It keeps each sequence's block table and block hashes itself, by request id, and reads a
+`Request`'s tokens and progress without ever writing to it: what a sequence has computed
+is the scheduler's to say.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from pagedserve.common.contracts import PrefixHit, Request, RequestStatus
 from pagedserve.prefix_cache import Block, BlockPool, ExtraKey, ExtraKeyKind
 from pagedserve.prefix_cache.block_hash import encode_extra_keys, hash_block
-from pagedserve.worker.request import Request, RequestStatus
+
+_NO_HIT = PrefixHit(0, 0)
 
 
 class KVCacheManager:
-    """Block tables of requests: prefix lookups, allocation, caching of full blocks, freeing."""
+    """Block tables of sequences: prefix lookups, allocation, caching of full blocks, freeing.
+
+    Implements the `KVCacheManager` contract that scheduler plugins are given.
+    """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, model_id: str):
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching)
         self.enable_caching = enable_caching
         self.model_id = model_id
+        self._blocks: dict[str, list[Block]] = {}  # request id → blocks, in position order
+        self._block_ids: dict[str, list[int]] = {}  # the same as ids, for the model runner
+        self._hashes: dict[str, list[bytes]] = {}  # request id → hashes of its full blocks so far
         self._extra_by_salt: dict[str | None, bytes] = {}
 
     @property
     def num_blocks(self) -> int:
         return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def block_ids(self, request: Request) -> list[int]:
+        return self._block_ids.get(request.request_id, [])
+
+    def block_hashes(self, request: Request) -> list[bytes]:
+        return self._hashes.get(request.request_id, [])
+
+    def blocks(self, request: Request) -> list[Block]:
+        return self._blocks.get(request.request_id, [])
 
     def extra_keys(self, cache_salt: str | None) -> bytes:
         """The encoded extra keys of every block hash: the model id and the tenant's salt."""
@@ -33,55 +59,61 @@ class KVCacheManager:
             extra = self._extra_by_salt[cache_salt] = encode_extra_keys(keys)
         return extra
 
-    def _ensure_hashes(self, request: Request, num_blocks: int) -> None:
+    def _ensure_hashes(self, request: Request, num_blocks: int) -> list[bytes]:
         bs = self.block_size
-        hashes = request.block_hashes
+        hashes = self._hashes.setdefault(request.request_id, [])
         extra = self.extra_keys(request.cache_salt) if len(hashes) < num_blocks else b""
         while len(hashes) < num_blocks:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
             hashes.append(hash_block(parent, request.token_ids[i * bs : (i + 1) * bs], extra))
+        return hashes
 
     def _block_tokens(self, request: Request, num_blocks: int) -> list[Sequence[int]]:
         bs = self.block_size
         return [request.token_ids[i * bs : (i + 1) * bs] for i in range(num_blocks)]
 
-    def get_computed_blocks(self, request: Request) -> list[Block]:
-        """Blocks a new request can reuse: a running sibling's prompt blocks, or cached ones.
+    def get_computed_blocks(self, request: Request) -> PrefixHit:
+        """Blocks a new sequence can reuse: a running sibling's prompt blocks, or cached ones.
 
         At least one prompt token is always left to compute, so the step yields logits.
         """
-        assert request.num_computed_tokens == 0 and not request.blocks, "only for new requests"
+        assert request.num_computed_tokens == 0 and not self.blocks(request), "only for new sequences"
         max_blocks = (request.num_tokens - 1) // self.block_size
         parent = request.fork_from
         if parent is not None and parent.status == RequestStatus.RUNNING:
-            return parent.blocks[: min(max_blocks, parent.num_computed_tokens // self.block_size)]
-        if not self.enable_caching or max_blocks == 0:
-            return []
-        self._ensure_hashes(request, max_blocks)
-        return self.pool.find_prefix(request.block_hashes[:max_blocks], self._block_tokens(request, max_blocks))
+            found = self.blocks(parent)[: min(max_blocks, parent.num_computed_tokens // self.block_size)]
+        elif not self.enable_caching or max_blocks == 0:
+            return _NO_HIT
+        else:
+            hashes = self._ensure_hashes(request, max_blocks)
+            found = self.pool.find_prefix(hashes[:max_blocks], self._block_tokens(request, max_blocks))
+        return PrefixHit(len(found), len(found) * self.block_size, tuple(found))
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: Sequence[Block] = ()) -> bool:
-        """Take `computed_blocks` and enough fresh blocks for `num_new_tokens` more tokens.
+    def allocate_slots(self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None) -> bool:
+        """Take `hit`'s blocks and enough fresh blocks for `num_new_tokens` more tokens.
 
         Returns False (and changes nothing) when the pool has too few free blocks.
         """
-        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        hit = hit or _NO_HIT
+        blocks = self._blocks.setdefault(request.request_id, [])
+        block_ids = self._block_ids.setdefault(request.request_id, [])
+        num_computed = request.num_computed_tokens + hit.num_tokens
         num_needed = -(-(num_computed + num_new_tokens) // self.block_size)
-        num_new_blocks = num_needed - len(request.blocks) - len(computed_blocks)
-        if num_new_blocks > self.pool.num_free_after_match(computed_blocks):
+        num_new_blocks = num_needed - len(blocks) - hit.num_blocks
+        if num_new_blocks > self.pool.num_free_after_match(hit.blocks):
             return False
-        if not request.blocks:  # being admitted (new, or back from preemption)
-            self.pool.take(computed_blocks)
-            request.blocks.extend(computed_blocks)
-            request.num_computed_tokens = num_computed
+        if not blocks:  # being admitted (new, or back from preemption)
+            self.pool.take(hit.blocks)
+            blocks.extend(hit.blocks)
+            block_ids.extend(b.block_id for b in hit.blocks)
             if request.fork_from is None:
-                self.pool.record_lookup((request.num_tokens - 1) // self.block_size, len(computed_blocks))
-            request.num_cached_tokens = num_computed
+                self.pool.record_lookup((request.num_tokens - 1) // self.block_size, hit.num_blocks)
         if num_new_blocks > 0:
             new_blocks = self.pool.allocate(num_new_blocks)
             assert new_blocks is not None, "free-block check and allocate disagree"
-            request.blocks.extend(new_blocks)
+            blocks.extend(new_blocks)
+            block_ids.extend(b.block_id for b in new_blocks)
         return True
 
     def cache_full_blocks(self, request: Request) -> None:
@@ -89,15 +121,22 @@ class KVCacheManager:
         if not self.enable_caching:
             return
         num_full = request.num_computed_tokens // self.block_size
-        self._ensure_hashes(request, num_full)
+        hashes = self._ensure_hashes(request, num_full)
+        blocks = self.blocks(request)
         bs = self.block_size
         for i in range(num_full - 1, -1, -1):
-            block = request.blocks[i]
+            block = blocks[i]
             if block.block_hash is not None:
                 break  # blocks before a cached one are cached too
-            self.pool.cache_block(block, request.block_hashes[i], request.token_ids[i * bs : (i + 1) * bs])
+            self.pool.cache_block(block, hashes[i], request.token_ids[i * bs : (i + 1) * bs])
 
     def free(self, request: Request) -> None:
-        """Give back the request's blocks, last first (its tail is evicted before its head)."""
-        self.pool.free(reversed(request.blocks))
-        request.blocks = []
+        """Give back the sequence's blocks, last first (its tail is evicted before its head).
+
+        A preempted sequence keeps its hashes (its tokens are the same when it comes back);
+        a finished one is forgotten.
+        """
+        self.pool.free(reversed(self._blocks.pop(request.request_id, [])))
+        self._block_ids.pop(request.request_id, None)
+        if request.is_finished:
+            self._hashes.pop(request.request_id, None)

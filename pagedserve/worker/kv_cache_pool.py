@@ -22,6 +22,13 @@ class KVCacheSpec:
     head_dim: int
     dtype: torch.dtype
 
+    @classmethod
+    def for_model(cls, hf_config, dtype: torch.dtype) -> KVCacheSpec:
+        """The K/V shape of a transformers config."""
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+        return cls(hf_config.num_hidden_layers, num_kv_heads, head_dim, dtype)
+
     @property
     def bytes_per_token(self) -> int:
         element = torch.empty((), dtype=self.dtype).element_size()

@@ -79,12 +79,12 @@ class LLM:
         final: dict[str, RequestOutput] = {}
         pending = set(request_ids)
         while pending:
-            outputs = self.engine.step()
-            assert outputs or self.engine.scheduler.has_unfinished_requests(), "requests pending but nothing scheduled"
-            for output in outputs:
-                if output.finished:
-                    final[output.request_id] = output
-                    pending.discard(output.request_id)
+            deltas = self.engine.step()
+            assert deltas or self.engine.scheduler.has_unfinished_requests(), "requests pending but nothing scheduled"
+            for delta in deltas:
+                if delta.output is not None:
+                    final[delta.request_id] = delta.output
+                    pending.discard(delta.request_id)
         failed = [o for o in final.values() if o.error is not None]
         if failed:
             raise RuntimeError(f"{len(failed)} of {len(request_ids)} requests failed: {failed[0].error}")

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from pagedserve.common.contracts import Kernels
 from pagedserve.plugins import load_plugin
 
 
@@ -27,7 +28,8 @@ def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.device, load_format: str = "auto"):
+def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.device, kernels: Kernels,
+               load_format: str = "auto") -> torch.nn.Module:
     """The `pagedserve.models` plugin named by config.json's `architectures`, with weights:
     the checkpoint's (`auto`), or seeded random ones (`dummy`: a config.json and a
     tokenizer are enough, to measure a model whose weights are not at hand)."""
@@ -35,7 +37,7 @@ def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.dev
     if not architectures:
         raise ValueError(f"{model_dir}/config.json names no `architectures`")
     factory = load_plugin("models", architectures[0])
-    model = factory(hf_config, dtype=dtype, device=device)
+    model = factory(hf_config, dtype=dtype, device=device, kernels=kernels)
     if load_format == "dummy":
         dummy_weights(model)
     else:

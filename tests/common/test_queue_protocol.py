@@ -9,8 +9,8 @@ import pytest
 from pagedserve.common import queue_protocol as q
 from pagedserve.common.outputs import Logprobs, TokenLogprob
 from pagedserve.common.queue_protocol import (
-    ChoiceDelta,
     Chunk,
+    CompletionDelta,
     OutputLog,
     QueuedRequest,
     WireError,
@@ -22,7 +22,7 @@ from pagedserve.common.sampling_params import SamplingParams
 
 
 def _delta(index, start, tokens, text, finish=None):
-    return ChoiceDelta(index=index, start=start, token_ids=tokens, text=text, finish_reason=finish)
+    return CompletionDelta(index=index, start=start, token_ids=tokens, text=text, finish_reason=finish)
 
 
 def test_fold_takes_contiguous_deltas_once():
@@ -67,7 +67,7 @@ def test_wire_round_trip_is_msgpack_and_validates():
     assert data[:1] != b"\x80"  # not a pickle protocol header
     assert decode_request(data) == request
     lp = Logprobs(sampled=TokenLogprob(3, -0.5, "a"), top=[TokenLogprob(3, -0.5, "a")])
-    chunk = Chunk(attempt=2, deltas=[ChoiceDelta(index=1, start=4, token_ids=[3], text="a", logprobs=[lp])])
+    chunk = Chunk(attempt=2, deltas=[CompletionDelta(index=1, start=4, token_ids=[3], text="a", logprobs=[lp])])
     assert decode_chunk(encode(chunk)) == chunk
     # the sampling parameters are validated on the way in, too
     bad = msgspec.msgpack.encode({"request_id": "r", "prompt_token_ids": [1], "params": {"temperature": -1},

@@ -15,8 +15,8 @@ from pagedserve.common import queue_protocol as q
 from pagedserve.common.config import ServeConfig
 from pagedserve.common.errors import QueueFullError, ServiceUnavailableError
 from pagedserve.common.queue_protocol import (
-    ChoiceDelta,
     Chunk,
+    CompletionDelta,
     QueuedRequest,
     WireError,
     decode_request,
@@ -230,7 +230,7 @@ def test_an_error_after_some_tokens(redis_server, redis_client, tokenizer_dir):
     """Not streamed: the whole answer is the error. Streamed: the tokens, then an error event."""
     app = create_app(ServeConfig(), redis_server.url, PromptTokenizer(tokenizer_dir), ("tiny",), 64, {})
     _beat(redis_client)
-    chunks = [Chunk(attempt=1, deltas=[ChoiceDelta(index=0, start=0, token_ids=[5, 6], text="ab")]),
+    chunks = [Chunk(attempt=1, deltas=[CompletionDelta(index=0, start=0, token_ids=[5, 6], text="ab")]),
               Chunk(attempt=1, done=True, error=WireError(message="engine step failed", code="engine_error"))]
     body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 8}
     with TestClient(app) as http:

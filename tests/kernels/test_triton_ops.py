@@ -52,12 +52,13 @@ def test_silu_and_mul(dtype):
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("num_heads", [1, 3, 8])
 def test_rotary_default_and_llama3(head_dim, num_heads):
-    from pagedserve.worker.layers.rotary import RotaryEmbedding
+    from pagedserve.kernels.selector import TorchOps
+    from pagedserve.plugins.models.rotary import RotaryEmbedding
 
     for params in ({"rope_theta": 10000.0, "rope_type": "default"},
                    {"rope_theta": 500000.0, "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                     "high_freq_factor": 4.0, "original_max_position_embeddings": 64}):
-        rope = RotaryEmbedding(head_dim, 300, params, torch.float32).to(DEVICE)
+        rope = RotaryEmbedding(head_dim, 300, params, torch.float32, TorchOps()).to(DEVICE)
         positions = torch.tensor([0, 7, 63, 64, 299], device=DEVICE)
         x = _rand(5, num_heads, head_dim)
         out = ops.rotary(positions, x, rope.cos, rope.sin)

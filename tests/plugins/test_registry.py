@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from pagedserve.common.errors import PluginError
-from pagedserve.plugins import load_plugin, registry
-from pagedserve.worker.models.llama import LlamaForCausalLM, Qwen3ForCausalLM
-from pagedserve.worker.sampler import DefaultSampler
-from pagedserve.worker.scheduler import FCFSScheduler
+from pagedserve.plugins import API_VERSION, load_plugin, registry
+from pagedserve.plugins.default_sampler import DefaultSampler
+from pagedserve.plugins.fcfs_scheduler import FCFSScheduler
+from pagedserve.plugins.models.llama import LlamaForCausalLM, Qwen3ForCausalLM
 
 PLUGIN_PKG = Path(__file__).parent.parent / "plugin_pkg"
 
@@ -103,9 +103,39 @@ print(json.dumps(dict(tokens=tokens, expected=expected, rev=rev, least=least,
     assert result["broken"] == ["broken", "outdated"]
 
 
+def test_third_party_scheduler_admits_shortest_prompt_first(installed_plugin, tiny_checkpoint):
+    code = f"""
+import json
+from pagedserve import LLM, SamplingParams
+prompts = {{"a": list(range(3, 12)), "b": [5, 6, 7], "c": list(range(20, 26))}}
+params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+result = {{}}
+for scheduler in ("fcfs", "shortest"):
+    engine = LLM({str(tiny_checkpoint("llama-gqa"))!r}, scheduler=scheduler, max_num_seqs=1,
+                 kv_cache_memory=1 << 22).engine
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, prompt, params)
+    order, tokens = [], {{}}
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            if delta.output is not None:
+                order.append(delta.request_id)
+                tokens[delta.request_id] = delta.output.outputs[0].token_ids
+    result[scheduler] = dict(order=order, tokens=tokens, free=engine.kv_manager.num_free_blocks,
+                             blocks=engine.kv_manager.num_blocks)
+print(json.dumps(result))
+"""
+    result = json.loads(run_with_plugin(installed_plugin, code).strip().splitlines()[-1])
+    assert result["fcfs"]["order"] == ["a", "b", "c"]  # one at a time, in arrival order
+    assert result["shortest"]["order"] == ["b", "c", "a"]  # 3, 6, then 9 prompt tokens
+    assert result["shortest"]["tokens"] == result["fcfs"]["tokens"]  # greedy: the order changes nothing else
+    assert result["shortest"]["free"] == result["shortest"]["blocks"]  # every block came back
+
+
 def test_plugins_list_shows_loaded_and_skipped(installed_plugin):
     out = run_with_plugin(installed_plugin, "from pagedserve.entrypoints.cli import main; main(['plugins', 'list'])")
-    assert "lowest\tpagedserve_example_plugin.LowestOfTopTwoSampler" in out
-    assert "outdated\tSKIPPED: API_VERSION 101" in out
+    assert "lowest\tpagedserve_example_plugin.sampler.LowestOfTopTwoSampler" in out
+    assert f"outdated\tSKIPPED: API_VERSION {API_VERSION + 100}" in out
     assert "broken\tSKIPPED: ModuleNotFoundError" in out
-    assert "fcfs\tpagedserve.worker.scheduler.FCFSScheduler" in out
+    assert "fcfs\tpagedserve.plugins.fcfs_scheduler.FCFSScheduler" in out
+    assert "shortest\tpagedserve_example_plugin.scheduler.ShortestPromptFirstScheduler" in out

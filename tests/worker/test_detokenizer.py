@@ -76,8 +76,8 @@ def test_streamed_deltas_join_to_the_final_text(tiny_checkpoint):
     deltas, final = [], None
     while engine.has_unfinished_requests():
         for out in engine.step():
-            deltas.append(out.outputs[0].text_delta)
-            final = out
-    assert final.finished
+            deltas += [d.text for d in out.deltas]
+            final = out.output
+    assert final is not None and final.finished
     assert "".join(deltas) == final.outputs[0].text
     assert final.outputs[0].text == llm.get_tokenizer().decode(final.outputs[0].token_ids)

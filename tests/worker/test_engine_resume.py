@@ -17,11 +17,11 @@ def _run(engine: Engine, request_id: str, params: SamplingParams, resume=None) -
     events: list[list] = [[] for _ in range(params.n)]
     while engine.has_unfinished_requests():
         for out in engine.step():
-            for c in out.outputs:
-                new = c.token_ids[seen.get(c.index, 0):]
-                seen[c.index] = len(c.token_ids)
-                if new or c.text_delta:
-                    events[c.index].append((new, c.text_delta, c.finish_reason))
+            for d in out.deltas:
+                assert d.start == seen.get(d.index, 0)  # each delta continues exactly where the last ended
+                seen[d.index] = d.start + len(d.token_ids)
+                if d.token_ids or d.text:
+                    events[d.index].append((d.token_ids, d.text, d.finish_reason))
     return events
 
 
@@ -49,8 +49,8 @@ def test_sampled_resume_keeps_the_sent_tokens_and_the_length(tiny_checkpoint):
     outs = []
     while engine.has_unfinished_requests():
         outs += engine.step()
-    final = outs[-1]
-    assert final.finished
+    assert outs[-1].finished
+    final = outs[-1].output
     assert final.outputs[0].token_ids[:3] == [11, 12, 13] and len(final.outputs[0].token_ids) == 12
     assert final.outputs[1].token_ids[:4] == [21, 22, 23, 24] and len(final.outputs[1].token_ids) == 12
     # logprobs are given for the new tokens only: the client has the others

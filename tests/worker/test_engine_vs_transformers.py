@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.worker.request import Request
-from pagedserve.worker.scheduler import ScheduledRequest
+from pagedserve.common.contracts import Request, ScheduledRequest
 
 from engine_helpers import assert_pool_clean, hf_greedy, mixed_prompts
 
@@ -73,10 +72,11 @@ def test_prefill_logits_match_transformers(tiny_checkpoint, model_name):
     engine = LLM(str(model_dir), kv_cache_memory=1 << 24).engine
     request = Request("r", prompt, SamplingParams(), frozenset(), max_tokens=1)
     assert engine.kv_manager.allocate_slots(request, len(prompt))
-    entries = [ScheduledRequest(request, len(prompt))]
-    input_ids, positions, metadata = engine.runner._tensors(engine.runner._layout(entries, [0]))
+    entries = [ScheduledRequest(request, len(prompt), engine.kv_manager.block_ids(request))]
+    input_ids, positions, metadata = engine.runner._tensors(engine.runner.prepare_inputs(entries))
+    model = engine.runner.model
     with torch.inference_mode():
-        logits = engine.model.compute_logits(engine.model(input_ids, positions, metadata, engine.kv_pool.kv_caches))
+        logits = model.compute_logits(model(input_ids, positions, metadata, engine.runner.kv_caches))
     assert logits.shape == expected.shape
     torch.testing.assert_close(logits, expected, atol=2e-5, rtol=1e-5)
 

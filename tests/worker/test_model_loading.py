@@ -34,8 +34,8 @@ def test_sharded_checkpoint_with_tied_embeddings(tmp_path):
 
 def test_float16_engine_runs(tiny_checkpoint):
     llm = LLM(str(tiny_checkpoint("qwen2")), dtype="float16", kv_cache_memory=1 << 22)
-    assert llm.engine.dtype == torch.float16
-    assert llm.engine.kv_pool.kv_caches[0].dtype == torch.float16
+    assert llm.engine.runner.dtype == torch.float16
+    assert llm.engine.runner.kv_caches[0].dtype == torch.float16
     out = llm.generate([[3, 4, 5]], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))[0]
     assert len(out.outputs[0].token_ids) == 5
 
@@ -71,7 +71,7 @@ def test_dummy_load_format_needs_no_weights(tiny_checkpoint, tmp_path):
     runs = []
     for _ in range(2):
         llm = LLM(str(bare), load_format="dummy", kv_cache_memory=1 << 20)
-        model = llm.engine.model
+        model = llm.engine.runner.model
         assert torch.equal(model.layers[0].input_layernorm.weight, torch.ones(96))
         std = float(model.layers[1].mlp.down_proj.weight.std())
         assert 0.019 < std < 0.021

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.worker.sampler import DefaultSampler, SamplingMetadata, apply_penalties
+from pagedserve.common.contracts import SamplingMetadata
+from pagedserve.plugins.default_sampler import DefaultSampler, apply_penalties
 
 from engine_helpers import assert_pool_clean, mixed_prompts
 

@@ -6,10 +6,9 @@ import pytest
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.common.config import EngineConfig
+from pagedserve.common.contracts import Request, RequestStatus, RunnerOutput
+from pagedserve.plugins.fcfs_scheduler import FCFSScheduler
 from pagedserve.worker.kv_cache_manager import KVCacheManager
-from pagedserve.worker.model_runner import RunnerOutput
-from pagedserve.worker.request import Request, RequestStatus
-from pagedserve.worker.scheduler import FCFSScheduler
 
 from engine_helpers import assert_pool_clean, mixed_prompts
 
@@ -79,7 +78,7 @@ def test_preempted_request_goes_back_to_the_front_and_finishes():
         if out.preempted:  # preempted requests wait at the very front of the queue
             front = list(s.waiting)[: len(out.preempted)]
             assert set(front) == set(out.preempted)
-            assert all(r.status == RequestStatus.PREEMPTED and not r.blocks for r in front)
+            assert all(r.status == RequestStatus.PREEMPTED and not s.kv.block_ids(r) for r in front)
     assert sorted(finished_order) == ["r0", "r1", "r2", "r3"]
     assert finished_order[0] == "r0"  # the oldest is never preempted, so it ends first
     assert s.num_preemptions == 3  # each pair running together (r0 r1, r1 r2, r2 r3) outgrows 5 blocks once
@@ -99,15 +98,15 @@ def test_abort_anywhere_frees_blocks(tiny_checkpoint):
     for _ in range(3):
         for out in engine.step():
             if out.finished:
-                seen_finish[out.request_id] = out.outputs[0].finish_reason
+                seen_finish[out.request_id] = out.output.outputs[0].finish_reason
     for i in range(1, 8):
         aborted = engine.abort_request(f"r{i}")
         if aborted is not None:
-            assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
+            assert aborted.finished and aborted.output.outputs[0].finish_reason == "abort"
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
-                seen_finish[out.request_id] = out.outputs[0].finish_reason
+                seen_finish[out.request_id] = out.output.outputs[0].finish_reason
     assert all(seen_finish[f"r{i}"] == "length" for i in range(8, 15))
     assert engine.abort_request("r3") is None  # already gone
     assert_pool_clean(engine)
@@ -118,7 +117,7 @@ def test_a_failing_step_fails_its_requests_not_the_engine(tiny_checkpoint):
     engine = llm.engine
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     expected = llm.generate([[4, 5, 6]], params)[0].outputs[0].token_ids
-    real_forward = engine.model.forward
+    real_forward = engine.runner.model.forward
     calls = []
 
     def broken(*args, **kwargs):
@@ -127,14 +126,14 @@ def test_a_failing_step_fails_its_requests_not_the_engine(tiny_checkpoint):
             raise RuntimeError("simulated device fault")
         return real_forward(*args, **kwargs)
 
-    engine.model.forward = broken
+    engine.runner.model.forward = broken
     engine.add_request("a", [4, 5, 6], params)
     outputs = engine.step() + engine.step()
     failed = [o for o in outputs if o.finished]
     assert len(failed) == 1 and failed[0].error == "RuntimeError: simulated device fault"
-    assert failed[0].outputs[0].finish_reason == "error"
+    assert failed[0].output.outputs[0].finish_reason == "error"
     assert_pool_clean(engine)
-    del engine.model.forward
+    del engine.runner.model.forward
     # the engine goes on serving
     assert llm.generate([[4, 5, 6]], params)[0].outputs[0].token_ids == expected
 
@@ -153,7 +152,7 @@ def test_a_prefix_computed_this_step_is_not_computed_twice():
     out = step(s)
     assert [(e.request.request_id, e.num_new_tokens) for e in out.scheduled] == [("first", 1), ("other", 1), ("second", 4)]
     assert second.num_cached_tokens == 8
-    assert second.blocks[:2] == first.blocks[:2]
+    assert s.kv.block_ids(second)[:2] == s.kv.block_ids(first)[:2]
 
 
 def test_the_step_budget_defaults_by_device_and_keeps_a_given_one(tiny_checkpoint, tmp_path):

@@ -1,35 +1,8 @@
-"""A third-party plugin package: a custom sampler and a custom model architecture."""
+"""A third-party plugin package: a scheduler, a sampler and a model architecture, written
+against `pagedserve.common.contracts` alone (it imports nothing else of pagedserve)."""
 
-import torch
+from pagedserve_example_plugin.model import ReversedLlamaForCausalLM
+from pagedserve_example_plugin.sampler import LowestOfTopTwoSampler, OutdatedSampler
+from pagedserve_example_plugin.scheduler import ShortestPromptFirstScheduler
 
-from pagedserve.plugins import API_VERSION, SamplerPlugin
-from pagedserve.worker.models.llama import LlamaForCausalLM
-from pagedserve.worker.sampler import SamplerOutput
-
-
-class LowestOfTopTwoSampler(SamplerPlugin):
-    """Always picks the second most likely token: easy to check exactly."""
-
-    API_VERSION = API_VERSION
-
-    def __init__(self, config=None):
-        pass
-
-    def sample(self, logits, metadata):
-        return SamplerOutput(logits.topk(2, dim=-1).indices[:, 1], None, None, None)
-
-
-class OutdatedSampler(LowestOfTopTwoSampler):
-    """Written for an API this pagedserve does not speak: the loader must skip it."""
-
-    API_VERSION = API_VERSION + 100
-
-
-class ReversedLlamaForCausalLM(LlamaForCausalLM):
-    """A Llama whose logits are negated: greedy picks the least likely token."""
-
-    def compute_logits(self, hidden_states):
-        return -super().compute_logits(hidden_states)
-
-
-__all__ = ["LowestOfTopTwoSampler", "OutdatedSampler", "ReversedLlamaForCausalLM", "torch"]
+__all__ = ["LowestOfTopTwoSampler", "OutdatedSampler", "ReversedLlamaForCausalLM", "ShortestPromptFirstScheduler"]

@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from pagedserve.kernels.reference_ops import apply_rotary
+from pagedserve.common.contracts import KernelOps
 
 
 def rope_parameters(hf_config) -> dict:
@@ -48,11 +48,9 @@ def inverse_frequencies(head_dim: int, params: dict) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """Applies rotary embedding to q and k from a cos/sin table indexed by position."""
 
-    #: run the Triton kernel (set on GPU workers by the engine; same function)
-    use_triton = False
-
-    def __init__(self, head_dim: int, max_positions: int, params: dict, dtype: torch.dtype):
+    def __init__(self, head_dim: int, max_positions: int, params: dict, dtype: torch.dtype, ops: KernelOps):
         super().__init__()
+        self.ops = ops  # the worker's kernels (torch or Triton)
         inv_freq = inverse_frequencies(head_dim, params)
         freqs = torch.arange(max_positions, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
@@ -61,10 +59,4 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """positions [n]; q [n, heads, head_dim], k [n, kv_heads, head_dim] → rotated q, k."""
-        if self.use_triton:
-            from pagedserve.kernels.triton_ops import rotary
-
-            return rotary(positions, q, self.cos, self.sin), rotary(positions, k, self.cos, self.sin)
-        cos = self.cos[positions].unsqueeze(1)  # [n, 1, head_dim], gathered once for q and k
-        sin = self.sin[positions].unsqueeze(1)
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return self.ops.rotary(positions, q, k, self.cos, self.sin)

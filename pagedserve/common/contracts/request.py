@@ -1,4 +1,8 @@
-"""`Request`: one sequence the engine is generating (one of the n of a user request)."""
+"""`Request`: one sequence the engine generates (one of the n completions of a caller's request).
+
+The scheduler owns its status and progress; the KV cache manager keeps its blocks, by
+`request_id`, and never writes here.
+"""
 
 from __future__ import annotations
 
@@ -11,8 +15,6 @@ from pagedserve.common.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     import torch
-
-    from pagedserve.prefix_cache import Block
 
 
 class RequestStatus(enum.IntEnum):
@@ -36,23 +38,21 @@ class RequestStatus(enum.IntEnum):
 
 @dataclass(slots=True, eq=False)
 class Request:
-    """A sequence: its tokens, how many have KV in the cache, and its blocks."""
+    """A sequence: its tokens and how many of them have K/V in the cache."""
 
     request_id: str  # unique per sequence ("<user id>" or "<user id>#<index>" for n > 1)
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_ids: frozenset[int]  # the model's EOS ids (ignored with ignore_eos)
     max_tokens: int  # resolved: min(max_tokens, max_model_len - prompt length)
-    parent_id: str | None = None  # the user request this is a sequence of
+    parent_id: str | None = None  # the caller's request this is a sequence of
     index: int = 0  # which of the n completions
     fork_from: Request | None = None  # sibling whose prompt blocks this one shares
     arrival_time: float = field(default_factory=time.monotonic)
-    #: prompt then output token ids; the first `num_computed_tokens` have KV in the cache
+    #: prompt then output token ids; the first `num_computed_tokens` have K/V in the cache
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
-    blocks: list[Block] = field(default_factory=list)  # block table, position order
-    block_hashes: list[bytes] = field(default_factory=list)  # of the full blocks so far
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     num_preemptions: int = 0
     cache_salt: str | None = None  # tenant salt: requests with different salts share no block

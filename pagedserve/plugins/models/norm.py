@@ -5,22 +5,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedserve.kernels.reference_ops import rms_norm_ref
+from pagedserve.common.contracts import KernelOps
 
 
 class RMSNorm(nn.Module):
-    #: run the Triton kernel (set on GPU workers by the engine; same function)
-    use_triton = False
-
-    def __init__(self, hidden_size: int, eps: float):
+    def __init__(self, hidden_size: int, eps: float, ops: KernelOps):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.ops = ops  # the worker's kernels (torch or Triton)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """x [n, hidden] → norm(x), or with a residual: (norm(x + residual), x + residual)."""
-        if self.use_triton:
-            from pagedserve.kernels.triton_ops import rms_norm
-
-            return rms_norm(x, self.weight, self.eps, residual)
-        return rms_norm_ref(x, self.weight, self.eps, residual)
+        return self.ops.rms_norm(x, self.weight, self.eps, residual)

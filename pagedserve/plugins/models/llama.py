@@ -14,14 +14,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.kernels.attention_backend import AttentionMetadata
-from pagedserve.plugins.base import CausalLMPlugin
-from pagedserve.worker.layers.norm import RMSNorm
-from pagedserve.worker.layers.rotary import RotaryEmbedding, rope_parameters
+from pagedserve.common.contracts import AttentionMetadata, CausalLMPlugin, KernelOps, Kernels
+from pagedserve.plugins.models.norm import RMSNorm
+from pagedserve.plugins.models.rotary import RotaryEmbedding, rope_parameters
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, cfg, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool):
+    def __init__(self, cfg, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool, ops: KernelOps):
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
@@ -31,8 +30,8 @@ class DecoderAttention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ops) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ops) if qk_norm else None
         self.rotary = rotary
 
     def forward(self, positions, hidden, metadata: AttentionMetadata, kv_cache):
@@ -49,31 +48,24 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderMLP(nn.Module):
-    #: run the Triton SiLU-and-mul kernel (set on GPU workers by the engine; same function)
-    use_triton = False
-
-    def __init__(self, cfg):
+    def __init__(self, cfg, ops: KernelOps):
         super().__init__()
+        self.ops = ops
         self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        if self.use_triton:
-            from pagedserve.kernels.triton_ops import silu_and_mul
-
-            return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))  # in place: one [n, intermediate] buffer less
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg, rotary, qkv_bias, qk_norm):
+    def __init__(self, cfg, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool, ops: KernelOps):
         super().__init__()
-        self.self_attn = DecoderAttention(cfg, rotary, qkv_bias, qk_norm)
-        self.mlp = DecoderMLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DecoderAttention(cfg, rotary, qkv_bias, qk_norm, ops)
+        self.mlp = DecoderMLP(cfg, ops)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
     def forward(self, positions, hidden, residual, metadata, kv_cache):
         if residual is None:
@@ -92,7 +84,7 @@ class LlamaForCausalLM(nn.Module, CausalLMPlugin):
     qkv_bias = False
     qk_norm = False
 
-    def __init__(self, hf_config, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    def __init__(self, hf_config, *, dtype: torch.dtype, device: str | torch.device, kernels: Kernels):
         super().__init__()
         cfg = hf_config
         if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True) and cfg.sliding_window < cfg.max_position_embeddings:
@@ -101,10 +93,11 @@ class LlamaForCausalLM(nn.Module, CausalLMPlugin):
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         qkv_bias = self.qkv_bias or bool(getattr(cfg, "attention_bias", False))
         with torch.device(device):
-            rotary = RotaryEmbedding(head_dim, cfg.max_position_embeddings, rope_parameters(cfg), dtype)
+            ops = kernels.ops
+            rotary = RotaryEmbedding(head_dim, cfg.max_position_embeddings, rope_parameters(cfg), dtype, ops)
             self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-            self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, qkv_bias, self.qk_norm) for _ in range(cfg.num_hidden_layers))
-            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, qkv_bias, self.qk_norm, ops) for _ in range(cfg.num_hidden_layers))
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
             self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
             self.lm_head = None if self.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.to(dtype)

@@ -7,47 +7,15 @@ needs its own noise from its own generator: its tokens do not depend on its batc
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from pagedserve.plugins.base import SamplerPlugin
-
-
-@dataclass(slots=True)
-class SamplingMetadata:
-    """Per-row sampling settings of one step, built by the model runner."""
-
-    temperature: torch.Tensor | None  # [B] float32, 0 = greedy; None: every row greedy
-    top_k: torch.Tensor | None  # [B] int64, vocab size where unset; None: no row sets it
-    top_p: torch.Tensor | None  # [B] float32; None: no row sets it
-    min_p: torch.Tensor | None  # [B] float32; None: no row sets it
-    generators: dict[int, torch.Generator]  # row → its own generator (seeded requests)
-    repetition_penalty: torch.Tensor | None  # [B] float32; None: no row sets it
-    presence_penalty: torch.Tensor | None  # [B] float32
-    frequency_penalty: torch.Tensor | None  # [B] float32
-    prompt_token_ids: list[list[int]]  # per row, for the repetition penalty ([] if unused)
-    output_token_ids: list[list[int]]  # per row, for the penalties ([] if unused)
-    banned_token_ids: dict[int, list[int]]  # row → ids masked this step (EOS before min_tokens)
-    max_num_logprobs: int | None  # largest top-N asked for; None: no row wants logprobs
-
-    @property
-    def all_greedy(self) -> bool:
-        return self.temperature is None
-
-
-@dataclass(slots=True)
-class SamplerOutput:
-    sampled_token_ids: torch.Tensor  # [B] int64
-    logprobs: torch.Tensor | None  # [B] float32: log p(sampled token) under the model
-    top_logprob_ids: torch.Tensor | None  # [B, max_num_logprobs] int64
-    top_logprobs: torch.Tensor | None  # [B, max_num_logprobs] float32
+from pagedserve.common.contracts import EngineConfig, SamplerOutput, SamplerPlugin, SamplingMetadata
 
 
 class DefaultSampler(SamplerPlugin):
     """greedy / temperature, top_k, top_p, min_p, penalties, min_tokens, seeds, logprobs."""
 
-    def __init__(self, config=None, seed: int | None = None):
+    def __init__(self, config: EngineConfig | None = None, seed: int | None = None):
         self.seed = seed if seed is not None else getattr(config, "seed", 0)
         self._generators: dict[torch.device, torch.Generator] = {}
 

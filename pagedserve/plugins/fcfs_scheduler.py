@@ -12,38 +12,19 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 
-from pagedserve.common.config import EngineConfig
-from pagedserve.plugins.base import SchedulerPlugin
-from pagedserve.worker.kv_cache_manager import KVCacheManager
-from pagedserve.worker.request import Request, RequestStatus
-
-
-@dataclass(slots=True)
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int  # tokens computed for it this step (1 for a decode)
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest]  # in scheduling order
-    num_batched_tokens: int  # sum of num_new_tokens
-    preempted: list[Request] = field(default_factory=list)  # preempted during this step
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-
-@dataclass(slots=True)
-class SequenceUpdate:
-    """What one step did to one sequence: its new token, or that it ended."""
-
-    request: Request
-    new_token_id: int | None  # None when the step only finished it (abort, stop string)
-    logprobs: object | None = None  # the runner's logprobs entry for the new token
+from pagedserve.common.contracts import (
+    EngineConfig,
+    KVCacheManager,
+    Request,
+    RequestStatus,
+    RunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+    SchedulerPlugin,
+    SequenceUpdate,
+)
 
 
 class FCFSScheduler(SchedulerPlugin):
@@ -111,29 +92,29 @@ class FCFSScheduler(SchedulerPlugin):
                 parent = request.fork_from
                 if parent is not None and not self._fork_ready(request, parent):
                     continue  # a later sibling waits for its parent's prompt
-                computed = self.kv.get_computed_blocks(request)
-                hashes = request.block_hashes
-                if len(computed) < len(hashes) and hashes[len(computed)] in in_flight:
+                hit = self.kv.get_computed_blocks(request)
+                hashes = self.kv.block_hashes(request)
+                if hit.num_blocks < len(hashes) and hashes[hit.num_blocks] in in_flight:
                     continue
-                num_computed = len(computed) * self.kv.block_size
-                num_new = request.num_tokens - num_computed
+                num_new = request.num_tokens - hit.num_tokens
                 if num_new > budget:
                     if not self.enable_chunked_prefill:
                         break
                     num_new = budget
-                if not self.kv.allocate_slots(request, num_new, computed):
+                if not self.kv.allocate_slots(request, num_new, hit):
                     break  # first come, first served: nobody jumps a request short of blocks
+                request.num_computed_tokens = request.num_cached_tokens = hit.num_tokens
                 request.fork_from = None
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
                 admitted.append(request)
                 scheduled[request] = num_new
                 budget -= num_new
-                in_flight.update(hashes[len(computed) : (num_computed + num_new) // self.kv.block_size])
+                in_flight.update(hashes[hit.num_blocks : (hit.num_tokens + num_new) // self.kv.block_size])
             for request in admitted:
                 self.waiting.remove(request)
 
-        out = [ScheduledRequest(r, n) for r, n in scheduled.items()]
+        out = [ScheduledRequest(r, n, self.kv.block_ids(r)) for r, n in scheduled.items()]
         return SchedulerOutput(out, self.max_num_batched_tokens - budget, preempted)
 
     def _blocks_in_flight(self, scheduled: dict[Request, int]) -> set[bytes]:
@@ -144,7 +125,7 @@ class FCFSScheduler(SchedulerPlugin):
         in_flight: set[bytes] = set()
         for request, num_new in scheduled.items():
             start = request.num_computed_tokens // bs
-            in_flight.update(request.block_hashes[start : (request.num_computed_tokens + num_new) // bs])
+            in_flight.update(self.kv.block_hashes(request)[start : (request.num_computed_tokens + num_new) // bs])
         return in_flight
 
     def _fork_ready(self, request: Request, parent: Request) -> bool:
@@ -172,7 +153,7 @@ class FCFSScheduler(SchedulerPlugin):
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def update(self, scheduler_output: SchedulerOutput, runner_output) -> list[SequenceUpdate]:
+    def update(self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput) -> list[SequenceUpdate]:
         """Count the computed tokens, append sampled tokens, and end finished sequences."""
         updates = []
         for i, entry in enumerate(scheduler_output.scheduled):
@@ -206,7 +187,7 @@ class FCFSScheduler(SchedulerPlugin):
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
+    def finish_requests(self, request_ids: Sequence[str], status: RequestStatus) -> list[Request]:
         """End requests now (abort, stop string); unknown or finished ids are ignored."""
         finished = []
         for request_id in request_ids:

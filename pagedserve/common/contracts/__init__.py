@@ -1,0 +1,65 @@
+"""The contracts: the types that cross a boundary inside a worker, and the plugin ABCs.
+
+Everything a scheduler, sampler or model plugin needs is importable from here, and plugins
+import nothing else of pagedserve. One engine step hands these from stage to stage:
+
+    Scheduler.schedule()            -> SchedulerOutput   (which sequences, how many tokens)
+    ModelRunner.run(SchedulerOutput) -> RunnerOutput     (one sampled token per finished prompt)
+    Scheduler.update(..)            -> list[SequenceUpdate]   (tokens appended, stops checked)
+    OutputProcessor.process(..)     -> list[RequestDelta]     (text and tokens new to the caller)
+
+No module here imports torch at run time: tensors appear in annotations only.
+"""
+
+from pagedserve.common.config import EngineConfig
+from pagedserve.common.contracts.model import (
+    AttentionBackend,
+    AttentionMetadata,
+    CausalLMPlugin,
+    KernelOps,
+    Kernels,
+)
+from pagedserve.common.contracts.request import Request, RequestStatus
+from pagedserve.common.contracts.runner import (
+    ModelInput,
+    RunnerOutput,
+    SampledLogprobs,
+    SequenceUpdate,
+)
+from pagedserve.common.contracts.sampler import SamplerOutput, SamplerPlugin, SamplingMetadata
+from pagedserve.common.contracts.scheduler import (
+    KVCacheManager,
+    PrefixHit,
+    ScheduledRequest,
+    SchedulerOutput,
+    SchedulerPlugin,
+)
+from pagedserve.common.contracts.version import API_VERSION
+from pagedserve.common.outputs import CompletionDelta, RequestDelta, RequestOutput
+
+__all__ = [
+    "API_VERSION",
+    "AttentionBackend",
+    "AttentionMetadata",
+    "CausalLMPlugin",
+    "CompletionDelta",
+    "EngineConfig",
+    "KVCacheManager",
+    "KernelOps",
+    "Kernels",
+    "ModelInput",
+    "PrefixHit",
+    "Request",
+    "RequestDelta",
+    "RequestOutput",
+    "RequestStatus",
+    "RunnerOutput",
+    "SampledLogprobs",
+    "SamplerOutput",
+    "SamplerPlugin",
+    "SamplingMetadata",
+    "ScheduledRequest",
+    "SchedulerOutput",
+    "SchedulerPlugin",
+    "SequenceUpdate",
+]

@@ -1,0 +1,144 @@
+"""The model's contract: the attention metadata of a step, the kernels a model calls, and
+the model plugin ABC.
+
+The batch of one engine step is flat: the tokens of every scheduled sequence laid end to
+end, decodes (one token each) first, then prefill chunks. `AttentionMetadata` describes
+that layout once per step; every layer reuses it. The worker chooses the kernels once
+(`kernels/selector.py`) and hands them to the model when it builds it: a model never
+decides which kernels run.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from pagedserve.common.contracts.version import API_VERSION
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Where each token's K/V goes and which cached K/V each query attends to."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: flat cache slot (block * block_size + offset)
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32: offsets of each sequence's queries
+    seq_lens: torch.Tensor  # [num_seqs] int32: context length after this step's tokens
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32 (padding entries are 0)
+    num_decodes: int  # the first num_decodes sequences have exactly one query token
+    max_seq_len: int  # max(seq_lens)
+    #: host copies, so backends plan without device syncs
+    query_lens_cpu: list[int] = field(default_factory=list)
+    seq_lens_cpu: list[int] = field(default_factory=list)
+    backend: AttentionBackend | None = None  # computes attention in every layer this step
+    backend_state: Any = None  # whatever the backend precomputed once for all layers
+
+    @classmethod
+    def for_batch(cls, query_lens: list[int], seq_lens: list[int], tables: list[list[int]], block_size: int,
+                  device: Any = "cpu", width: int | None = None) -> AttentionMetadata:
+        """The metadata of a batch given each sequence's block table, for checks, benchmarks and
+        tests (the runner builds its own from the step's arrays): the new tokens' slots,
+        the query offsets, and the tables padded with 0 to `width` (default: the longest)."""
+        import torch
+
+        width = width or max(len(t) for t in tables)
+        slots = [table[p // block_size] * block_size + p % block_size
+                 for table, q, s in zip(tables, query_lens, seq_lens) for p in range(s - q, s)]
+        starts = [0]
+        for q in query_lens:
+            starts.append(starts[-1] + q)
+        return cls(
+            slot_mapping=torch.tensor(slots, device=device),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device),
+            num_decodes=sum(1 for q in query_lens if q == 1), max_seq_len=max(seq_lens),
+            query_lens_cpu=list(query_lens), seq_lens_cpu=list(seq_lens),
+        )
+
+
+class AttentionBackend(ABC):
+    """Computes attention over the paged KV cache for a mixed prefill/decode batch.
+
+    A backend that can run from CUDA graphs also has `decode_plan(num_seqs, max_model_len,
+    block_size, device)`: a plan fixed for the longest context, valid for every replay.
+    """
+
+    name: str = ""
+
+    def prepare(self, metadata: AttentionMetadata, block_size: int) -> None:
+        """Precompute per-step state (index maps, masks) shared by every layer."""
+        metadata.backend_state = None
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """Store key/value at metadata.slot_mapping, then attend causally over each context."""
+
+
+class KernelOps(ABC):
+    """The element-wise kernels of a decoder layer (torch on CPU, Triton on GPU)."""
+
+    name: str = ""
+
+    @abstractmethod
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> Any:
+        """x [n, hidden] → norm(x); with a residual: (norm(x + residual), x + residual)."""
+
+    @abstractmethod
+    def rotary(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [n, heads, head_dim], k [n, kv_heads, head_dim] rotated by the cos/sin table rows
+        of `positions` (rotate-half layout)."""
+
+    @abstractmethod
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [n, 2 * d] (gate then up) → silu(gate) * up, [n, d]."""
+
+
+@dataclass(slots=True, frozen=True)
+class Kernels:
+    """The kernels one worker runs, chosen once at start-up."""
+
+    attention: AttentionBackend
+    ops: KernelOps
+
+
+class CausalLMPlugin(ABC):
+    """A model architecture, keyed by its `architectures` name in config.json.
+
+    Built by `factory(hf_config, dtype=..., device=..., kernels=Kernels)`; must be usable as
+    a torch module.
+    """
+
+    API_VERSION = API_VERSION
+
+    @abstractmethod
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
+                kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] → hidden states [num_tokens, hidden_size].
+
+        Writes each layer's new keys/values into `kv_caches[layer]` at
+        `attn_metadata.slot_mapping` and attends over the paged cache through
+        `attn_metadata.backend`.
+        """
+
+    @abstractmethod
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """hidden states [n, hidden_size] → float32 logits [n, vocab_size]."""
+
+    @abstractmethod
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load from an iterable of (checkpoint tensor name, tensor)."""

@@ -1,0 +1,109 @@
+"""Chooses, once per worker, the kernels its model runs: the attention backend and the
+element-wise ops. The choice is passed to the model and the runner; nothing is switched
+on modules afterwards.
+
+    auto on CUDA  -> Triton attention and Triton ops (after a self-check against torch)
+    auto on CPU   -> the C++ decode-attention kernel when it builds, else torch; torch ops
+    torch | cpu | triton -> that backend (triton on CPU only under TRITON_INTERPRET=1)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import torch.nn.functional as F
+
+from pagedserve.common.contracts import AttentionBackend, KernelOps, Kernels
+from pagedserve.kernels.reference_ops import apply_rotary, rms_norm_ref
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "torch", "cpu", "triton")
+
+
+class TorchOps(KernelOps):
+    """The element-wise ops in plain torch (the references the Triton kernels are tested against)."""
+
+    name = "torch"
+
+    def rms_norm(self, x, weight, eps, residual=None):
+        return rms_norm_ref(x, weight, eps, residual)
+
+    def rotary(self, positions, q, k, cos, sin):
+        cos = cos[positions].unsqueeze(1)  # [n, 1, head_dim], gathered once for q and k
+        sin = sin[positions].unsqueeze(1)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+    def silu_and_mul(self, x):
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate).mul_(up)  # in place: one [n, d] buffer less than silu_and_mul_ref
+
+
+class TritonOps(KernelOps):
+    """The element-wise ops as Triton kernels (kernels/triton_ops.py)."""
+
+    name = "triton"
+
+    def rms_norm(self, x, weight, eps, residual=None):
+        from pagedserve.kernels.triton_ops import rms_norm
+
+        return rms_norm(x, weight, eps, residual)
+
+    def rotary(self, positions, q, k, cos, sin):
+        from pagedserve.kernels.triton_ops import rotary
+
+        return rotary(positions, q, cos, sin), rotary(positions, k, cos, sin)
+
+    def silu_and_mul(self, x):
+        from pagedserve.kernels.triton_ops import silu_and_mul
+
+        return silu_and_mul(x)
+
+
+def select_kernels(name: str, device: torch.device) -> Kernels:
+    """The kernels for `--attention-backend name` on `device`: Triton attention comes with
+    the Triton ops (the whole hot path runs as Triton kernels), every other backend with
+    the torch ops."""
+    attention = select_attention_backend(name, device)
+    ops: KernelOps = TritonOps() if attention.name == "triton" else TorchOps()
+    return Kernels(attention, ops)
+
+
+def select_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    """`auto`: Triton on CUDA; on CPU the C++ decode kernel when it builds, else the torch
+    reference. `triton` on CPU only runs under TRITON_INTERPRET=1 (for tests)."""
+    from pagedserve.kernels.torch_attention import TorchAttentionBackend
+
+    if name == "torch":
+        return TorchAttentionBackend()
+    if name == "triton" or (name == "auto" and device.type == "cuda"):
+        from pagedserve.kernels import triton_ops
+
+        if triton_ops.triton is None:
+            if name == "triton":
+                raise RuntimeError("the triton attention backend needs triton installed")
+            return TorchAttentionBackend()
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError("the triton attention backend needs a CUDA device (or TRITON_INTERPRET=1 to test it on CPU)")
+        from pagedserve.kernels.triton_attention import TritonAttentionBackend, self_check
+
+        if name == "auto":
+            # The default must not fail on a GPU or Triton version the kernels were never
+            # compiled for: they are checked once against the torch reference.
+            problem = self_check(device)
+            if problem is not None:
+                logger.warning("Triton kernels failed their self-check (%s); using the torch backend", problem)
+                return TorchAttentionBackend()
+        return TritonAttentionBackend()
+    if name in ("auto", "cpu") and device.type == "cpu":
+        from pagedserve.kernels.cpu_attention import CPUAttentionBackend, cpu_kernels
+
+        if cpu_kernels() is not None:
+            return CPUAttentionBackend()
+        if name == "cpu":
+            raise RuntimeError("the CPU attention kernel could not be built (see the log)")
+    if name in ("auto", "cpu"):
+        return TorchAttentionBackend()
+    raise ValueError(f"unknown attention backend {name!r}; known: {', '.join(BACKENDS)}")

@@ -1,1 +1,0 @@
-"""Building blocks of the built-in models."""
