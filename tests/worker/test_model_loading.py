@@ -85,18 +85,18 @@ def test_dummy_load_format_needs_no_weights(tiny_checkpoint, tmp_path):
 def test_bfloat16_on_a_cpu_without_bf16_instructions_warns(monkeypatch, caplog):
     import platform
 
-    from pagedserve.worker import engine
+    from pagedserve.worker import device
 
     monkeypatch.setattr(platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
-    with caplog.at_level("WARNING", logger=engine.__name__):
-        assert engine.resolve_dtype("bfloat16", None, torch.device("cpu")) == torch.bfloat16
-        assert engine.resolve_dtype("float32", None, torch.device("cpu")) == torch.float32
+    with caplog.at_level("WARNING", logger=device.__name__):
+        assert device.resolve_dtype("bfloat16", None, torch.device("cpu")) == torch.bfloat16
+        assert device.resolve_dtype("float32", None, torch.device("cpu")) == torch.float32
     assert [r.message for r in caplog.records if "no bfloat16 instructions" in r.message] != []
     assert len(caplog.records) == 1
     caplog.clear()
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
-    with caplog.at_level("WARNING", logger=engine.__name__):
-        engine.resolve_dtype("bfloat16", None, torch.device("cpu"))
+    with caplog.at_level("WARNING", logger=device.__name__):
+        device.resolve_dtype("bfloat16", None, torch.device("cpu"))
     assert caplog.records == []
