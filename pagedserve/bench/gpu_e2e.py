@@ -151,7 +151,8 @@ def run_transformers(shape: dict, device: torch.device, batches, prompt_len, out
 
     config = LlamaConfig(**shape, eos_token_id=0, bos_token_id=None, pad_token_id=0)
     with torch.device(device):
-        model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+        # transformers types PreTrainedModel.to as functools.wraps(nn.Module.to), self included
+        model = LlamaForCausalLM(config).to(torch.bfloat16).eval()  # type: ignore[arg-type]
     gen = GenerationConfig(max_new_tokens=out_len, do_sample=False, eos_token_id=None, pad_token_id=0)
     figures = {}
     for batch in batches:

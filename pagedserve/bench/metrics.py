@@ -37,6 +37,7 @@ class RequestRecord:
 
     @property
     def e2e(self) -> float:
+        assert self.end is not None, "e2e of an unfinished request"
         return self.end - self.start
 
     @property

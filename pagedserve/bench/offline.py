@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -124,7 +126,8 @@ def run(args: argparse.Namespace) -> int:
     vocab = AutoConfig.from_pretrained(resolve_model(args.model)).vocab_size
     prompts, out_lens = workload(args.workload, vocab)
     num_out, num_total = sum(out_lens), sum(out_lens) + sum(len(p) for p in prompts)
-    systems = {"pagedserve": run_pagedserve, "generate": run_hf_generate, "generate_batch": run_hf_generate_batch}
+    # name → (args, prompts, out_lens) -> (seconds, extra figures)
+    systems: dict[str, Callable[..., tuple[float, dict[str, Any]]]] = {"pagedserve": run_pagedserve, "generate": run_hf_generate, "generate_batch": run_hf_generate_batch}
     names = ["pagedserve"] + [p for p in args.peers.split(",") if p]
     if args.workload == "shared-prefix":  # the point of this workload: caching on against off
         systems["pagedserve (no prefix cache)"] = lambda a, p, o: run_pagedserve(argparse.Namespace(**{**vars(a), "no_prefix_caching": True}), p, o)

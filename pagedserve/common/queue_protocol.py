@@ -70,6 +70,14 @@ PROMPT_TOKENS_FIELD = b"t"
 #: an entry of output_key(request_id): one encoded Chunk
 CHUNK_FIELD = b"c"
 
+# Stream replies as both sides' clients return them (decode_responses off: ids, names and
+# fields are bytes). redis-py types them as wide unions (bytes or str, RESP2 or RESP3
+# shapes); the callers cast its replies to these at the call.
+#: one entry of a stream: (entry id, fields)
+StreamEntry = tuple[bytes, dict[bytes, bytes]]
+#: an XREAD / XREADGROUP reply: (stream name, entries) per stream read; [] when the block ran out
+StreamRead = list[tuple[bytes, list[StreamEntry]]]
+
 
 # -- messages -----------------------------------------------------------------------------
 class QueuedRequest(msgspec.Struct, kw_only=True):

@@ -83,10 +83,11 @@ def serve(config: ServeConfig, engine: EngineConfig) -> int:
 
     resolve_model(engine.model)  # pull the default model once, before any worker needs it
     embedded = None
-    if config.redis_url is None:
+    redis_url = config.redis_url
+    if redis_url is None:
         embedded = EmbeddedRedis().start()
         logger.info("started redis-server at %s", embedded.url)
-    redis_url = config.redis_url or embedded.url
+        redis_url = embedded.url
     procs: list[subprocess.Popen] = []
     try:
         procs = start_workers(config, engine, redis_url)

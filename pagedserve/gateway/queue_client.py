@@ -7,6 +7,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import cast
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
@@ -22,6 +23,7 @@ from pagedserve.common.queue_protocol import (
     CompletionDelta,
     OutputLog,
     QueuedRequest,
+    StreamRead,
     WorkerInfo,
     decode_chunk,
     decode_worker_info,
@@ -61,16 +63,17 @@ class QueueClient:
             return False
 
     async def live_workers(self) -> list[WorkerInfo]:
-        ids = await self.redis.zrangebyscore(q.WORKERS, time.time(), "+inf")
+        # decode_responses is off: members and values come back as bytes
+        ids = cast("list[bytes]", await self.redis.zrangebyscore(q.WORKERS, time.time(), "+inf"))
         if not ids:
             return []
-        infos = await self.redis.mget([q.worker_key(i.decode()) for i in ids])
+        infos = cast("list[bytes | None]", await self.redis.mget([q.worker_key(i.decode()) for i in ids]))
         return [decode_worker_info(x) for x in infos if x]
 
     async def submit(self, request: QueuedRequest) -> None:
         """Admit into the queue, or raise QueueFullError / ServiceUnavailableError."""
         num_tokens = len(request.prompt_token_ids)
-        args = [self.config.max_queued_requests, self.config.max_queued_tokens, num_tokens, encode(request)]
+        args: list[int | bytes] = [self.config.max_queued_requests, self.config.max_queued_tokens, num_tokens, encode(request)]
         try:
             admitted, detail = await self._admit(
                 keys=[q.REQUESTS, q.QUEUED, q.QUEUED_TOKENS, q.WORKERS, q.admitted_key(request.request_id)], args=args)
@@ -101,14 +104,14 @@ class QueueClient:
         """
         key = q.output_key(request_id)
         log = OutputLog(n)
-        last_id = "0-0"
+        last_id: str | bytes = "0-0"  # then the id of the last entry read
         while not log.done:
             if time.time() > deadline:
                 raise TimeoutError(request_id)
             if give_up():
                 raise ShuttingDown(request_id)
             try:
-                reply = await self.redis.xread({key: last_id}, count=256, block=_READ_BLOCK_MS)
+                reply = cast(StreamRead, await self.redis.xread({key: last_id}, count=256, block=_READ_BLOCK_MS))
             except (RedisConnectionError, RedisTimeoutError) as exc:
                 logger.warning("reading %s: redis unavailable (%s)", key, exc)
                 await asyncio.sleep(0.5)

@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -59,7 +59,7 @@ async def _admit(state: GatewayState, request: Request, prompts: list[list[int]]
     return queued
 
 
-async def _merged_outputs(state: GatewayState, queued: list[QueuedRequest]) -> AsyncIterator[tuple[int, list[CompletionDelta], OutputLog]]:
+async def _merged_outputs(state: GatewayState, queued: list[QueuedRequest]) -> AsyncGenerator[tuple[int, list[CompletionDelta], OutputLog], None]:
     """(prompt index, new deltas, that prompt's log) across every prompt, as they come."""
     n = queued[0].params.n
     give_up = partial(_drain_expired, state)
@@ -146,10 +146,10 @@ async def serve(state: GatewayState, request: Request, body, prompts: list[list[
         cancel_all()
         work.cancel()
         return Response(content=b"", status_code=499)  # nobody reads it
-    if work.exception() is not None:
+    if (exc := work.exception()) is not None:
         await events.aclose()
         cancel_all()
-        return wire_error_response(_wire_error_of(work.exception(), state.config))
+        return wire_error_response(_wire_error_of(exc, state.config))
     if builder.error is not None and (not body.stream or not builder.has_content()):
         await events.aclose()  # a whole answer fails whole; a stream fails in-band once it began
         return wire_error_response(builder.error)

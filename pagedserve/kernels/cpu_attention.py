@@ -59,8 +59,9 @@ class CPUAttentionBackend(TorchAttentionBackend):
 
     name = "cpu"
 
-    def prepare(self, metadata: AttentionMetadata, block_size: int) -> None:
-        super().prepare(metadata, block_size, gather_decodes=False)
+    def prepare(self, metadata: AttentionMetadata, block_size: int, gather_decodes: bool = False) -> None:
+        # the kernel reads the decodes' blocks in place: nothing to gather unless asked
+        super().prepare(metadata, block_size, gather_decodes=gather_decodes)
 
     def attend_decodes(self, query, kv_cache, metadata, scale):
         nd = query.shape[0]

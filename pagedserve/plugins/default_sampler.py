@@ -38,6 +38,7 @@ class DefaultSampler(SamplerPlugin):
             tokens = greedy
         else:
             temperature = md.temperature
+            assert temperature is not None  # not all_greedy
             is_greedy = temperature == 0
             scaled = logits / torch.where(is_greedy, 1.0, temperature)[:, None]
             scaled = apply_top_k_top_p(scaled, md.top_k, md.top_p)
@@ -52,6 +53,9 @@ class DefaultSampler(SamplerPlugin):
         if raw_logprobs is None:
             return SamplerOutput(tokens, None, None, None)
         sampled_lp = raw_logprobs.gather(1, tokens[:, None]).squeeze(1)
+        assert md.max_num_logprobs is not None  # raw_logprobs is computed only when it is set
+        top_lp: torch.Tensor | None
+        top_ids: torch.Tensor | None
         if md.max_num_logprobs > 0:
             top_lp, top_ids = raw_logprobs.topk(md.max_num_logprobs, dim=-1)
         else:

@@ -20,6 +20,7 @@ graphs, to check the bucketing and padding; the capture itself needs a GPU.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,7 +45,7 @@ class GraphCaptureError(RuntimeError):
 @dataclass(slots=True)
 class _Graph:
     graph: torch.cuda.CUDAGraph | None  # None: replay by running `forward` again
-    forward: object  # () -> hidden [bucket, hidden_size]
+    forward: Callable[[], torch.Tensor]  # () -> hidden [bucket, hidden_size]
     output: torch.Tensor | None  # the captured graph's output buffer
 
 
@@ -70,7 +71,7 @@ class DecodeGraphs:
         self.block_tables = torch.zeros((b, max_blocks), dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(b + 1, dtype=torch.int32, device=device)
         self._graphs: dict[int, _Graph] = {}
-        self._pool = None
+        self._pool: torch.cuda._POOL_HANDLE | None = None  # shared by every bucket's graph
         #: replays per bucket (how often each size ran)
         self.replays: dict[int, int] = dict.fromkeys(self.buckets, 0)
 
@@ -96,6 +97,7 @@ class DecodeGraphs:
         if graph.graph is None:
             return graph.forward()[:n]
         graph.graph.replay()
+        assert graph.output is not None  # set with the captured graph
         return graph.output[:n]
 
     def _capture(self, bucket: int) -> _Graph:
@@ -119,7 +121,7 @@ class DecodeGraphs:
         self._graphs[bucket] = graph
         return graph
 
-    def _capture_cuda(self, forward, bucket: int) -> _Graph:
+    def _capture_cuda(self, forward: Callable[[], torch.Tensor], bucket: int) -> _Graph:
         # The buffers hold this step's inputs: the warm-up run stores this step's K/V, which
         # the replay then stores again, the same values (capturing itself runs nothing).
         side = torch.cuda.Stream(self.device)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import numbers
 from collections.abc import Sequence
+from typing import Any, cast
 
 from pagedserve.common.config import DEFAULT_MODEL, EngineConfig
 from pagedserve.common.errors import InvalidParameterError
@@ -62,7 +63,9 @@ class LLM:
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (or a list) and generate."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        # one conversation (a list of messages) or a list of them, told apart by the first item
+        conversations = cast("list[Sequence[Message]]",
+                             [messages] if messages and isinstance(messages[0], dict) else list(messages))
         prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
         return self.generate(prompts, sampling_params)
 
@@ -70,7 +73,9 @@ class LLM:
         tokenizer = self.engine.tokenizer
         if not tokenizer.chat_template:
             raise InvalidParameterError("messages", "this model has no chat template")
-        ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt, tokenize=True)
+        # token ids (tokenize=True), or a BatchEncoding of them; transformers types it as every form it can return
+        ids: Any = tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
+                                                 tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # newer transformers return a BatchEncoding
             ids = ids["input_ids"]
         return list(ids)

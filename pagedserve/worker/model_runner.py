@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
@@ -15,6 +16,7 @@ import torch
 from pagedserve.common.config import EngineConfig
 from pagedserve.common.contracts import (
     AttentionMetadata,
+    CausalLMPlugin,
     ModelInput,
     RunnerOutput,
     SamplerPlugin,
@@ -119,7 +121,8 @@ class ModelRunner:
         if not batch.sample_entries:
             return RunnerOutput(sampled, None)
         sample_rows = torch.tensor(batch.sample_rows, dtype=torch.long, device=self.device)
-        logits = self.model.compute_logits(hidden[sample_rows])  # [num_sampled, vocab]
+        # a model plugin is both a torch module and a CausalLMPlugin (load_model types it as the module)
+        logits = cast(CausalLMPlugin, self.model).compute_logits(hidden[sample_rows])  # [num_sampled, vocab]
         requests = [entries[i].request for i in batch.sample_entries]
         result = self.sampler.sample(logits, sampling_metadata(requests, self.vocab_size, self.device))
         for i, token in zip(batch.sample_entries, result.sampled_token_ids.tolist()):

@@ -21,6 +21,7 @@ import threading
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import cast
 
 import msgspec
 import redis
@@ -32,6 +33,8 @@ from pagedserve.common.queue_protocol import (
     Chunk,
     OutputLog,
     QueuedRequest,
+    StreamEntry,
+    StreamRead,
     WorkerInfo,
     decode_chunk,
     decode_request,
@@ -75,7 +78,8 @@ class QueueConsumer:
         """Up to `room` new requests, waiting up to `block_ms` when None are queued (None:
         do not wait). They are counted out of the queue's bounds at once."""
         try:
-            reply = self.redis.xreadgroup(q.GROUP, self.worker_id, {q.REQUESTS: ">"}, count=room, block=block_ms)
+            reply = cast(StreamRead, self.redis.xreadgroup(q.GROUP, self.worker_id, {q.REQUESTS: ">"},
+                                                           count=room, block=block_ms))
         except redis.ResponseError as exc:
             if "NOGROUP" not in str(exc):
                 raise
@@ -98,18 +102,18 @@ class QueueConsumer:
                 raise
             self.ensure_group()
             return []
-        claimed = []
+        claimed: list[tuple[str, dict[bytes, bytes], int]] = []
         for entry_id, fields in reply[1]:
             if not fields:
                 continue
             entry_id = entry_id.decode()
             pending = self.redis.xpending_range(q.REQUESTS, q.GROUP, min=entry_id, max=entry_id, count=1)
-            attempt = pending[0]["times_delivered"] if pending else 2
+            attempt = cast(int, pending[0]["times_delivered"]) if pending else 2
             logger.warning("worker %s takes over entry %s (delivery %d)", self.worker_id, entry_id, attempt)
             claimed.append((entry_id, fields, attempt))
         return self._decoded(claimed)
 
-    def _decoded(self, entries: Iterable[tuple[str, dict, int]]) -> list[TakenEntry]:
+    def _decoded(self, entries: Iterable[tuple[str, dict[bytes, bytes], int]]) -> list[TakenEntry]:
         taken = []
         for entry_id, fields, attempt in entries:
             try:
@@ -156,7 +160,7 @@ class QueueConsumer:
         key = q.output_key(request_id)
         claim_id = self.redis.xadd(key, {q.CHUNK_FIELD: encode(Chunk(attempt=attempt, claim=True))})
         log = OutputLog(n)
-        for _, fields in self.redis.xrange(key, "-", claim_id):
+        for _, fields in cast("list[StreamEntry]", self.redis.xrange(key, "-", claim_id)):
             log.apply(decode_chunk(fields[q.CHUNK_FIELD]))
         return log
 

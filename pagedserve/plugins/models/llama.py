@@ -9,6 +9,7 @@ from the checkpoint's separate tensors.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -41,8 +42,10 @@ class DecoderAttention(nn.Module):
         k = k.view(n, self.num_kv_heads, self.head_dim)  # [n, kv_heads, head_dim]
         v = v.view(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
+            assert self.k_norm is not None  # both or neither (qk_norm)
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
+        assert metadata.backend is not None  # set by the runner for every step
         out = metadata.backend.forward(q, k, v, kv_cache, metadata, self.scale)
         return self.o_proj(out.view(n, self.q_size))
 
@@ -153,7 +156,7 @@ class LlamaForCausalLM(nn.Module, CausalLMPlugin):
 
     def _shard_offset(self, target: str, shard: int) -> int:
         if "qkv_proj" in target:
-            attn = self.layers[0].self_attn
+            attn = cast(DecoderLayer, self.layers[0]).self_attn
             return [0, attn.q_size, attn.q_size + attn.kv_size][shard]
         return shard * self.config.intermediate_size
 

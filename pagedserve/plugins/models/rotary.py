@@ -48,6 +48,10 @@ def inverse_frequencies(head_dim: int, params: dict) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """Applies rotary embedding to q and k from a cos/sin table indexed by position."""
 
+    # buffers (register_buffer), [max_positions, head_dim]
+    cos: torch.Tensor
+    sin: torch.Tensor
+
     def __init__(self, head_dim: int, max_positions: int, params: dict, dtype: torch.dtype, ops: KernelOps):
         super().__init__()
         self.ops = ops  # the worker's kernels (torch or Triton)
