@@ -168,24 +168,12 @@ class FCFSScheduler(SchedulerPlugin):
             request.token_ids.append(token)
             if request.first_token_time is None:
                 request.first_token_time = time.monotonic()
-            status = self._check_stop(request, token)
+            status = request.stop_status(token)
             if status is not None:
                 self._finish(request, status)
             logprobs = runner_output.logprobs[i] if runner_output.logprobs is not None else None
             updates.append(SequenceUpdate(request, token, logprobs))
         return updates
-
-    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
-        params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
-            if token in request.eos_token_ids and not params.ignore_eos:
-                return RequestStatus.FINISHED_STOPPED
-            if params.stop_token_ids and token in params.stop_token_ids:
-                request.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= request.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     def finish_requests(self, request_ids: Sequence[str], status: RequestStatus) -> list[Request]:
         """End requests now (abort, stop string); unknown or finished ids are ignored."""

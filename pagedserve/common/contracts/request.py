@@ -82,3 +82,21 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    def stop_status(self, token: int) -> RequestStatus | None:
+        """The final status that `token`, just appended, gives this sequence, or None.
+
+        The rules every scheduler applies: past `min_tokens`, an EOS id (unless ignore_eos)
+        or a stop token id (kept as `stop_reason`) stops it; `max_tokens` ends it. Stop
+        strings are the output processor's: they need the text.
+        """
+        params = self.sampling_params
+        if self.num_output_tokens >= params.min_tokens:
+            if token in self.eos_token_ids and not params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if params.stop_token_ids and token in params.stop_token_ids:
+                self.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= self.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
