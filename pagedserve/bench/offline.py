@@ -1,4 +1,4 @@
-"""`pagedserve bench offline`: throughput on the reference workloads of WORKLOADS.md
+"""`pagedserve bench offline`: throughput on the reference workloads (bench/workloads.py)
 (pagedserve.bench.workloads), in this process.
 
     pagedserve bench offline --workload fixed|mixed|shared-prefix [--dtype D] [--compare transformers]
@@ -56,7 +56,7 @@ def run_pagedserve(args, prompts, out_lens):
     outs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - t0
     del engine.runner.model.forward, engine.runner.run
-    extra = {"outside_forward_share": 1 - spent["forward"] / elapsed, "outside_runner_share": 1 - spent["runner"] / elapsed}
+    extra: dict[str, Any] = {"outside_forward_share": 1 - spent["forward"] / elapsed, "outside_runner_share": 1 - spent["runner"] / elapsed}
     ttft = [o.metrics.time_to_first_token for o in outs]
     e2e = [o.metrics.finished_time - o.metrics.arrival_time for o in outs]
     tpot = [(f - t) / (len(o.outputs[0].token_ids) - 1) for o, f, t in zip(outs, e2e, ttft) if len(o.outputs[0].token_ids) > 1]

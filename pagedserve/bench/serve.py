@@ -2,7 +2,7 @@
 
     pagedserve bench serve --base-url URL [--request-rate 1,2,inf] [--max-concurrency 64] [--plot FILE.png]
 
-Sends the `serve` workload of WORKLOADS.md (token-id prompts of the `mixed` shapes,
+Sends the `serve` workload (bench/workloads.py) (token-id prompts of the `mixed` shapes,
 pagedserve.bench.workloads) to `/v1/completions` with streaming, at Poisson arrivals of a
 given rate (or all at once) and at most `max_concurrency` in flight, and reports what vLLM's
 benchmark client reports (TTFT, TPOT, ITL, E2E, goodput; see pagedserve.bench.metrics).

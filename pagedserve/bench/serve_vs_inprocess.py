@@ -1,4 +1,4 @@
-"""The `serve` workload (shared/bench/WORKLOADS.md) through HTTP beside the same requests
+"""The `serve` workload (bench/workloads.py) through HTTP beside the same requests
 in-process through `LLM.generate`, in one run, on the same model, dtype and threads.
 
     .venv/bin/python -m pagedserve.bench.serve_vs_inprocess [--num-requests 200] [--max-concurrency 64]

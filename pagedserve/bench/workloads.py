@@ -1,4 +1,4 @@
-"""The reference workloads of shared/bench/WORKLOADS.md, shared by `bench offline` and `bench serve`.
+"""The reference workloads, defined once here and shared by `bench offline` and `bench serve`.
 
 Prompts are token ids, not text, so every system sees exactly the same input: each prompt
 is `numpy.random.default_rng(seed).integers(100, vocab_size - 100, size=prompt_len)`.
@@ -66,7 +66,7 @@ _BUILDERS = {
 
 
 def workload(name: str, vocab_size: int = DEFAULT_VOCAB_SIZE, num_requests: int | None = None) -> Workload:
-    """(prompts as token ids, output lengths) of a named workload, exactly as WORKLOADS.md
+    """(prompts as token ids, output lengths) of a named workload, exactly as the table above
     defines it; `num_requests` overrides the defined count (for `mixed` and `serve` that
     changes every prompt, since all lengths are drawn before the ids)."""
     if name not in _BUILDERS:

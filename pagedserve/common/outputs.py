@@ -78,7 +78,7 @@ class CompletionDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
     token_ids: list[int] = []  # the new token ids
     text: str = ""  # the text they add (may be empty: a partial character, a held-back stop)
     logprobs: list[Logprobs] | None = None  # one per new token, when asked
-    finish_reason: str | None = None  # set on the completion's last delta
+    finish_reason: str | None = None  # "stop" | "length", on the completion's last delta
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
 
 

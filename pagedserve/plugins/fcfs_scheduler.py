@@ -146,9 +146,9 @@ class FCFSScheduler(SchedulerPlugin):
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
+        request.status = RequestStatus.PREEMPTED  # first: the KV manager keeps its hashes
         self.kv.free(request)
         request.num_computed_tokens = 0
-        request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)

@@ -3,8 +3,8 @@
     deltas = engine.step()   # schedule → run → update → process outputs
 
 Set-up is each part's own: the `ModelRunner` builds the model, the kernels, the KV cache
-tensors and the CUDA graphs; the `KVCacheManager` hands out blocks; the scheduler and the
-sampler are plugins; the `InputProcessor` validates and fans out requests; the
+tensors, the CUDA graphs and the sampler plugin; the `KVCacheManager` hands out blocks; the
+scheduler is a plugin; the `InputProcessor` validates and fans out requests; the
 `OutputProcessor` makes each step's deltas.
 """
 
@@ -14,7 +14,6 @@ import contextlib
 import logging
 from collections.abc import Sequence
 
-import msgspec
 import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
@@ -43,10 +42,9 @@ class Engine:
         self.model_dir = resolve_model(config.model)
         self.hf_config = AutoConfig.from_pretrained(self.model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        self.sampler = load_plugin("samplers", config.sampler)(config)
-        self.runner = ModelRunner(config, self.model_dir, self.hf_config, self.sampler)
+        self.runner = ModelRunner(config, self.model_dir, self.hf_config)
         self.max_model_len = self.runner.max_model_len
-        self.config = config = with_step_budget(config, self.max_model_len, self.runner.device.type)
+        self.config = config = self.runner.config  # the step budget resolved for the device
         self.kv_manager = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                          model_id=config.model)
         self.scheduler = load_plugin("schedulers", config.scheduler)(config, self.kv_manager)
@@ -126,16 +124,3 @@ class Engine:
             if delta is not None:
                 deltas.append(delta)
         return deltas
-
-
-def with_step_budget(config: EngineConfig, max_model_len: int, device_type: str) -> EngineConfig:
-    """The config with its step token budget resolved for the device: without chunked
-    prefill a whole prompt must fit one step."""
-    budget = config.token_budget(device_type)
-    if not config.enable_chunked_prefill:
-        if config.max_num_batched_tokens is None:
-            budget = max(budget, max_model_len)
-        elif max_model_len > budget:
-            raise InvalidParameterError("max_num_batched_tokens",
-                                        f"without chunked prefill it must be >= max_model_len ({max_model_len})")
-    return msgspec.structs.replace(config, max_num_batched_tokens=budget)

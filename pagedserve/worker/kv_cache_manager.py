@@ -133,10 +133,10 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Give back the sequence's blocks, last first (its tail is evicted before its head).
 
-        A preempted sequence keeps its hashes (its tokens are the same when it comes back);
-        a finished one is forgotten.
+        A PREEMPTED sequence keeps its hashes (its tokens are the same when it comes back);
+        any other is forgotten.
         """
         self.pool.free(reversed(self._blocks.pop(request.request_id, [])))
         self._block_ids.pop(request.request_id, None)
-        if request.is_finished:
+        if request.status != RequestStatus.PREEMPTED:
             self._hashes.pop(request.request_id, None)

@@ -10,6 +10,7 @@ import logging
 from pathlib import Path
 from typing import cast
 
+import msgspec
 import numpy as np
 import torch
 
@@ -23,7 +24,9 @@ from pagedserve.common.contracts import (
     ScheduledRequest,
     SchedulerOutput,
 )
+from pagedserve.common.errors import InvalidParameterError
 from pagedserve.kernels.selector import select_kernels
+from pagedserve.plugins import load_plugin
 from pagedserve.worker.decode_graphs import DecodeGraphs, GraphCaptureError
 from pagedserve.worker.device import resolve_device, resolve_dtype
 from pagedserve.worker.kv_cache_pool import KVCachePool, KVCacheSpec
@@ -34,13 +37,14 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_dir: Path, hf_config, sampler: SamplerPlugin):
+    def __init__(self, config: EngineConfig, model_dir: Path, hf_config):
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
         self.kernels = select_kernels(config.attention_backend, self.device)  # chosen once, here
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # what the kernels' self-check cached is not the KV cache's to lose
         self.attention_backend = self.kernels.attention
         self.model = load_model(model_dir, hf_config, self.dtype, self.device, self.kernels, config.load_format)
-        self.sampler = sampler
         self.vocab_size: int = hf_config.vocab_size
         self.block_size = config.block_size
 
@@ -54,6 +58,9 @@ class ModelRunner:
             logger.warning("max_model_len %d capped to the KV pool's %d tokens", max_len, self.num_blocks * config.block_size)
             max_len = self.num_blocks * config.block_size
         self.max_model_len: int = max_len
+        #: the config with the step token budget resolved for this device and context
+        self.config = with_step_budget(config, max_len, self.device.type)
+        self.sampler: SamplerPlugin = load_plugin("samplers", config.sampler)(self.config)
 
         self.decode_graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and self.attention_backend.name == "triton" and not config.enforce_eager:
@@ -148,3 +155,16 @@ class ModelRunner:
         self.attention_backend.prepare(metadata, self.block_size)
         input_ids = torch.tensor(batch.input_ids, dtype=torch.long, device=dev)
         return input_ids, torch.from_numpy(batch.positions).to(dev), metadata
+
+
+def with_step_budget(config: EngineConfig, max_model_len: int, device_type: str) -> EngineConfig:
+    """The config with its step token budget resolved for the device: without chunked
+    prefill a whole prompt must fit one step."""
+    budget = config.token_budget(device_type)
+    if not config.enable_chunked_prefill:
+        if config.max_num_batched_tokens is None:
+            budget = max(budget, max_model_len)
+        elif max_model_len > budget:
+            raise InvalidParameterError("max_num_batched_tokens",
+                                        f"without chunked prefill it must be >= max_model_len ({max_model_len})")
+    return msgspec.structs.replace(config, max_num_batched_tokens=budget)

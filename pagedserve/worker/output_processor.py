@@ -25,6 +25,9 @@ from pagedserve.common.outputs import (
 from pagedserve.worker.detokenizer import IncrementalDetokenizer, StopStringChecker
 from pagedserve.worker.input_processor import NewRequest
 
+#: the finish reasons a completion's delta carries (what a client sees as finish_reason)
+_DELTA_FINISH_REASONS = ("stop", "length")
+
 
 @dataclass(slots=True)
 class _Completion:
@@ -50,7 +53,7 @@ class _RequestState:
     prompt: str | None
     prompt_token_ids: list[int]
     completions: list[_Completion]
-    sequence_ids: list[str]  # of the completions still generating here
+    sequence_ids: list[str]  # of the completions this worker generates (not those ended before a resume)
     arrival_time: float
     first_token_time: float | None = None
     num_cached_tokens: int = 0
@@ -165,13 +168,17 @@ class OutputProcessor:
         return delta
 
     def _delta(self, state: _RequestState) -> RequestDelta:
-        """What is new in `state` since its last delta; the whole output once it has ended."""
+        """What is new in `state` since its last delta; the whole output once it has ended.
+
+        A delta's finish reason is "stop" or "length"; an abort or an engine error ends the
+        request instead (`RequestDelta.error`, the final output's finish reasons)."""
         deltas = []
         for c in state.completions:
             ended = c.finish_reason is not None
             visible = len(c.text) if ended else max(c.num_sent_chars, len(c.text) - c.stop.hold_back)
-            report_finish = ended and not c.finish_sent
+            report_finish = ended and not c.finish_sent and c.finish_reason in _DELTA_FINISH_REASONS
             if c.num_sent_tokens == len(c.token_ids) and visible == c.num_sent_chars and not report_finish:
+                c.finish_sent = ended
                 continue
             logprobs = None
             if c.logprobs is not None:

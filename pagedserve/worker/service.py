@@ -19,12 +19,11 @@ import socket
 import time
 from dataclasses import dataclass
 
-import msgspec
 import redis
 
 from pagedserve.common.config import EngineConfig, ServeConfig
 from pagedserve.common.errors import PagedServeError
-from pagedserve.common.outputs import CompletionDelta, RequestDelta
+from pagedserve.common.outputs import RequestDelta
 from pagedserve.common.queue_protocol import Chunk, WireError, WorkerInfo
 from pagedserve.worker.engine import Engine
 from pagedserve.worker.input_processor import ResumedCompletion
@@ -217,7 +216,7 @@ class WorkerService:
             run = self.running.get(out.request_id)
             if run is None:
                 continue
-            deltas = [d for d in map(_client_delta, out.deltas) if d is not None]
+            deltas = out.deltas
             if out.finished:
                 error = None if out.error is None else WireError(message=out.error, code="engine_error")
                 self.queue.send(run.request_id, Chunk(attempt=run.attempt, deltas=deltas, done=True, error=error,
@@ -243,16 +242,6 @@ class WorkerService:
             num_running=len(self.running), num_free_blocks=kv.num_free_blocks, num_blocks=kv.num_blocks,
             num_cancelled=self.num_cancelled, num_taken_over=self.num_taken_over,
         )
-
-
-def _client_delta(delta: CompletionDelta) -> CompletionDelta | None:
-    """The delta as a client gets it: an abort or an engine error is not a finish reason
-    there (the request's error says what happened); None when nothing is left."""
-    if delta.finish_reason in (None, "stop", "length"):
-        return delta
-    if not delta.token_ids and not delta.text:
-        return None
-    return msgspec.structs.replace(delta, finish_reason=None, stop_reason=None)
 
 
 def _timeout_error(config: ServeConfig) -> WireError:

@@ -76,7 +76,9 @@ class KVCacheManager(Protocol):
         ...
 
     def free(self, request: Request) -> None:
-        """Give the request's blocks back (cached ones stay findable until evicted)."""
+        """Give the request's blocks back (cached ones stay findable until evicted). Set the
+        status first: a PREEMPTED sequence keeps its block hashes for its return, any other
+        sequence is forgotten."""
         ...
 
     def block_ids(self, request: Request) -> list[int]:
@@ -84,7 +86,7 @@ class KVCacheManager(Protocol):
         ...
 
     def block_hashes(self, request: Request) -> list[bytes]:
-        """Hashes of the request's full prompt blocks computed so far (for de-duplication)."""
+        """Hashes of the request's full blocks known so far, prompt and output (for de-duplication)."""
         ...
 
 
