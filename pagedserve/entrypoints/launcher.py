@@ -79,8 +79,11 @@ def stop_workers(procs: list[subprocess.Popen], timeout: float) -> None:
 
 
 def serve(config: ServeConfig, engine: EngineConfig) -> int:
+    from pagedserve.gateway.auth import parse_api_keys
     from pagedserve.gateway.server import run_gateway
 
+    # A keys file without keys fails here, before any worker loads, not after.
+    parse_api_keys(config.api_keys_file, os.environ.get("PAGEDSERVE_API_KEYS"))
     resolve_model(engine.model)  # pull the default model once, before any worker needs it
     embedded = None
     redis_url = config.redis_url

@@ -90,7 +90,10 @@ class EmbeddedRedis:
         self._dir = tempfile.TemporaryDirectory(prefix="pagedserve-redis-")
         args = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                 "--dir", self._dir.name, "--logfile", str(Path(self._dir.name) / "redis.log")]
-        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        # Its own session: a terminal's Ctrl-C (SIGINT to the foreground process group) must not
+        # stop Redis before the workers have drained through it; `stop` ends it, last.
+        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                        start_new_session=True)
         deadline = time.monotonic() + self.startup_timeout
         # Ready when *our* process answers: another server on the port does not count.
         while _server_pid(self.port) != self.process.pid:

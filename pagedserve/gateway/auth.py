@@ -7,11 +7,15 @@ import hashlib
 import hmac
 from pathlib import Path
 
+from pagedserve.common.errors import InvalidParameterError
+
 
 def parse_api_keys(file: str | None, env_value: str | None) -> dict[str, str]:
     """key → tenant, from a file of lines "KEY [TENANT]" and from "KEY[:TENANT],..." (env).
 
     A key without a tenant is a tenant of its own (named by the key's hash, never the key).
+    Authentication never fails open: a keys file without a key, or an empty key, is an
+    error (the server refuses to start), not a server without authentication.
     """
     pairs: list[tuple[str, str | None]] = []
     if file:
@@ -20,11 +24,15 @@ def parse_api_keys(file: str | None, env_value: str | None) -> dict[str, str]:
             if line:
                 key, _, tenant = line.partition(" ")
                 pairs.append((key, tenant.strip() or None))
+        if not pairs:
+            raise InvalidParameterError("api_keys_file", f"{file} holds no API key; refusing to start without authentication")
     for item in (env_value or "").split(","):
         item = item.strip()
         if item:
             key, _, tenant = item.partition(":")
-            pairs.append((key, tenant or None))
+            if not key.strip():
+                raise InvalidParameterError("api_keys", "PAGEDSERVE_API_KEYS holds an empty key")
+            pairs.append((key.strip(), tenant or None))
     return {key: tenant or "key-" + hashlib.sha256(key.encode()).hexdigest()[:16] for key, tenant in pairs}
 
 

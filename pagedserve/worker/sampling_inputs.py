@@ -20,7 +20,8 @@ def sampling_metadata(requests: Sequence[Request], vocab_size: int, device: torc
             return None
         return torch.tensor(values, dtype=dtype, device=device)
 
-    top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
+    # a top_k beyond the vocabulary cuts nothing (and would overflow an int64 column)
+    top_k = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params]
     needs_history = any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params)
     needs_prompt = any(p.repetition_penalty != 1.0 for p in params)
     banned = {}

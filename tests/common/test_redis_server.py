@@ -24,6 +24,10 @@ def test_starts_on_its_own_port_answers_and_stops():
         assert client.xlen("pagedserve:test") == 1
         assert client.config_get("save") == {"save": ""}  # nothing persisted
         client.close()
+        # its own session: a Ctrl-C to the terminal's process group does not reach it
+        import os
+
+        assert os.getsid(server.process.pid) == server.process.pid != os.getsid(0)
         port = server.port
     assert not _ping(port)
 

@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import pytest
+
+from pagedserve.common.errors import InvalidParameterError
 from pagedserve.gateway.auth import parse_api_keys, tenant_for
 
 
@@ -16,3 +19,15 @@ def test_keys_from_file_and_environment(tmp_path):
     assert tenant_for(keys, "sk-a") is None
     assert tenant_for(keys, None) is None
     assert parse_api_keys(None, None) == {}
+
+
+def test_authentication_never_fails_open(tmp_path):
+    empty = tmp_path / "empty-keys"
+    empty.write_text("# only a comment\n\n")
+    with pytest.raises(InvalidParameterError, match="holds no API key"):
+        parse_api_keys(str(empty), None)
+    for env in (":team-a", "sk-a, :team-b", "  :  "):
+        with pytest.raises(InvalidParameterError, match="empty key"):
+            parse_api_keys(None, env)
+    # an empty key would have matched "Authorization: Bearer " (compare_digest of b"" and b"")
+    assert tenant_for(parse_api_keys(None, "sk-a"), "Bearer ") is None

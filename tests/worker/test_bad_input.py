@@ -93,3 +93,14 @@ def test_unknown_model_lists_the_known_ones():
     with pytest.raises(UnknownModelError) as info:
         LLM("no-such-model")
     assert "smollm2-135m-instruct" in info.value.message
+
+
+def test_top_k_beyond_64_bits_cuts_nothing_and_fails_nothing(tiny_checkpoint):
+    """A top_k past the vocabulary means no cut; 2**63 once overflowed the runner's int64
+    column and failed every request of the step."""
+    llm = LLM(str(tiny_checkpoint("llama-gqa")), kv_cache_memory=1 << 22)
+    base = dict(max_tokens=6, temperature=1.0, seed=7, ignore_eos=True)
+    huge, none = (llm.generate([[4, 5, 6], [7, 8]], [SamplingParams(top_k=k, **base), SamplingParams(**base)])
+                  for k in (2**63, 0))
+    assert [o.outputs[0].token_ids for o in huge] == [o.outputs[0].token_ids for o in none]
+    assert_pool_clean(llm.engine)
