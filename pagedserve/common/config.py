@@ -75,7 +75,12 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     max_queued_requests: int = 1024  # admitted but not yet taken by a worker; above: 429
     max_queued_tokens: int = 1_048_576  # their prompt tokens; above: 429
     max_prompt_tokens: int | None = None  # None: the context length
-    max_tokens_limit: int | None = None  # largest max_tokens a request may ask; None: context
+    max_tokens_limit: int | None = None  # largest max_tokens a request may ask (null is capped to it); None: context
+    max_prompts_per_request: int = 64  # prompts of one /v1/completions request
+    max_choices_per_request: int = 128  # prompts × n of one request
+    max_stop_strings: int = 16  # entries of `stop`
+    max_stop_string_length: int = 256  # characters of one stop string
+    max_stop_token_ids: int = 64  # entries of `stop_token_ids`
     max_body_bytes: int = 8 * 1024 * 1024  # larger bodies get 413
     request_timeout: float = 600.0  # seconds from admission until a request ends with a timeout
     heartbeat_interval: float = 1.0  # seconds between worker heartbeats
@@ -86,7 +91,9 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     log_level: str = "info"
 
     def __post_init__(self) -> None:
-        for name in ("max_queued_requests", "max_queued_tokens", "max_attempts", "max_body_bytes"):
+        for name in ("max_queued_requests", "max_queued_tokens", "max_attempts", "max_body_bytes",
+                     "max_prompts_per_request", "max_choices_per_request", "max_stop_strings",
+                     "max_stop_string_length", "max_stop_token_ids"):
             if getattr(self, name) < 1:
                 raise InvalidParameterError(name, "must be >= 1")
         for name in ("request_timeout", "heartbeat_interval", "worker_timeout", "drain_timeout"):

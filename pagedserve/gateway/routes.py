@@ -16,7 +16,7 @@ from pagedserve.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from pagedserve.gateway.responses import ResponseBuilder
 from pagedserve.gateway.streaming import serve
 from pagedserve.gateway.tokenizer import PromptTokenizer
-from pagedserve.gateway.validation import authenticate, check_model
+from pagedserve.gateway.validation import authenticate, check_model, check_request_size
 
 if TYPE_CHECKING:
     from pagedserve.gateway.app import GatewayState
@@ -47,6 +47,7 @@ async def _handle(request: Request, data: CompletionRequest | ChatCompletionRequ
     tenant = authenticate(state, request)
     check_model(state, data.model)
     params = data.sampling_params()
+    check_request_size(state, params, len(data.prompts()) if isinstance(data, CompletionRequest) else 1)
     prompts = prompts_of(state.tokenizer)
     builder = ResponseBuilder(kind, data.model, params.n, len(prompts), data.include_usage, params.logprobs)
     return await serve(state, request, data, prompts, params, tenant, builder)

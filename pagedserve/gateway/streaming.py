@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 async def _admit(state: GatewayState, request: Request, prompts: list[list[int]], params: SamplingParams,
                  tenant: str | None) -> list[QueuedRequest]:
     """Queue every prompt (all or none) and return the queued requests."""
-    check_admission(state, prompts, params)
+    params = check_admission(state, prompts, params)
     config = state.config
     base = uuid.uuid4().hex
     now = time.time()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import msgspec
 from litestar import Request
 
 from pagedserve.common.errors import (
@@ -49,12 +50,38 @@ def check_prompt(state: GatewayState, token_ids: list[int], params: SamplingPara
     check_context(len(token_ids), limit, params.max_tokens)
 
 
-def check_admission(state: GatewayState, prompts: list[list[int]], params: SamplingParams) -> None:
-    """May these prompts be queued: not draining, max_tokens within bounds, every prompt valid."""
+def check_request_size(state: GatewayState, params: SamplingParams, num_prompts: int) -> None:
+    """The bounds that keep one request from taking a worker or the gateway, checked before
+    any prompt is tokenized: prompts, prompts × n, stop strings and stop token ids."""
+    config = state.config
+    if num_prompts > config.max_prompts_per_request:
+        raise InvalidParameterError("prompt", f"has {num_prompts} prompts; this server takes at most "
+                                              f"{config.max_prompts_per_request} per request")
+    if num_prompts * params.n > config.max_choices_per_request:
+        raise InvalidParameterError("n", f"{num_prompts} prompts × n={params.n} is more than the "
+                                         f"{config.max_choices_per_request} completions a request may ask for")
+    stop = params.stop_strings
+    if len(stop) > config.max_stop_strings:
+        raise InvalidParameterError("stop", f"has {len(stop)} entries; at most {config.max_stop_strings}")
+    if any(len(s) > config.max_stop_string_length for s in stop):
+        raise InvalidParameterError("stop", f"a stop string is longer than {config.max_stop_string_length} characters")
+    if params.stop_token_ids and len(params.stop_token_ids) > config.max_stop_token_ids:
+        raise InvalidParameterError("stop_token_ids", f"has {len(params.stop_token_ids)} entries; at most "
+                                                      f"{config.max_stop_token_ids}")
+
+
+def check_admission(state: GatewayState, prompts: list[list[int]], params: SamplingParams) -> SamplingParams:
+    """May these prompts be queued: not draining, max_tokens within bounds, every prompt valid.
+    Returns the parameters to queue: a null max_tokens is capped to `--max-tokens-limit`
+    (the worker still stops at the context length)."""
     if state.drain_deadline is not None:
         raise ServiceUnavailableError("the server is shutting down")
     config = state.config
-    if config.max_tokens_limit is not None and params.max_tokens is not None and params.max_tokens > config.max_tokens_limit:
-        raise InvalidParameterError("max_tokens", f"must be <= {config.max_tokens_limit}")
+    limit = config.max_tokens_limit
+    if limit is not None and params.max_tokens is not None and params.max_tokens > limit:
+        raise InvalidParameterError("max_tokens", f"must be <= {limit}")
     for ids in prompts:
         check_prompt(state, ids, params)
+    if limit is not None and params.max_tokens is None:
+        params = msgspec.structs.replace(params, max_tokens=limit)
+    return params

@@ -141,6 +141,13 @@ def test_http_errors_without_workers(redis_server, redis_client, tokenizer_dir):
         assert error("/v1/completions", {**ok, "prompt": [[1], "x"]}) == (400, "invalid_parameter", "prompt")
         assert error("/v1/completions", {**ok, "prompt": list(range(1, 36)), "max_tokens": 32}) == (400, "context_length_exceeded", "prompt")
         assert error("/v1/completions", {**ok, "echo": True}) == (400, "invalid_parameter", "echo")
+        # one request cannot take the gateway or a worker: prompts, prompts × n, stop lists
+        assert error("/v1/completions", {**ok, "prompt": ["a"] * 65}) == (400, "invalid_parameter", "prompt")
+        assert error("/v1/completions", {**ok, "prompt": ["a"] * 16, "n": 9}) == (400, "invalid_parameter", "n")
+        assert error("/v1/completions", {**ok, "stop": ["s"] * 17}) == (400, "invalid_parameter", "stop")
+        assert error("/v1/completions", {**ok, "stop": ["s" * 257]}) == (400, "invalid_parameter", "stop")
+        assert error("/v1/completions", {**ok, "stop_token_ids": [1] * 65}) == (400, "invalid_parameter", "stop_token_ids")
+        assert error("/v1/completions", {**ok, "prompt": ["a"] * 16, "n": 8, "stop": ["s"] * 16})[0] == 503  # at the limits
         assert error("/v1/completions", {**ok, "logit_bias": {"5": 1.0}}) == (400, "invalid_parameter", "logit_bias")
         assert error("/v1/completions", {"prompt": "x"}) == (400, "invalid_parameter", "model")
         assert error("/v1/completions", b"x" * 3000)[0] == 413
@@ -277,3 +284,18 @@ def test_admission_is_idempotent_and_survives_a_redis_restart():
             asyncio.run(scenario())
         finally:
             client.close()
+
+
+def test_a_null_max_tokens_is_capped_by_the_limit():
+    from types import SimpleNamespace
+
+    from pagedserve.common.sampling_params import SamplingParams
+    from pagedserve.gateway.validation import check_admission
+
+    state = SimpleNamespace(drain_deadline=None, config=ServeConfig(max_tokens_limit=32), max_model_len=64, vocab_size=320)
+    assert check_admission(state, [[1, 2, 3]], SamplingParams(max_tokens=None)).max_tokens == 32
+    assert check_admission(state, [[1, 2, 3]], SamplingParams(max_tokens=5)).max_tokens == 5
+    # null still means "up to the context" for a long prompt: the worker stops at the context
+    assert check_admission(state, [list(range(1, 50))], SamplingParams(max_tokens=None)).max_tokens == 32
+    unlimited = SimpleNamespace(drain_deadline=None, config=ServeConfig(), max_model_len=64, vocab_size=320)
+    assert check_admission(unlimited, [[1, 2, 3]], SamplingParams(max_tokens=None)).max_tokens is None
