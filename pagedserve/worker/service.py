@@ -70,6 +70,11 @@ class WorkerService:
                     break
                 backoff = 0.1
             except (redis.ConnectionError, redis.TimeoutError) as exc:
+                if self._drain_deadline is not None and (not self.running or time.monotonic() >= self._drain_deadline):
+                    # Draining must end even without Redis (it may have stopped first).
+                    logger.warning("worker %s drained with redis unreachable; %d request(s) end unreported",
+                                   self.worker_id, len(self.running))
+                    break
                 logger.warning("redis unavailable (%s); retrying in %.1f s", exc, backoff)
                 self.queue.connection_lost()
                 if self.queue.wait(backoff):
