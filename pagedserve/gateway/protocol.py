@@ -79,6 +79,13 @@ class CompletionRequest(_SamplingFields, kw_only=True):
             raise InvalidParameterError("best_of", "is not supported (other than equal to n)")
         return self._sampling_params(self.max_tokens, self.logprobs)
 
+    @property
+    def num_prompts(self) -> int:
+        """How many prompts `prompts()` will give, without checking or copying them: a string
+        or one list of token ids is one; a list of strings or of token lists, its length."""
+        p = self.prompt
+        return len(p) if isinstance(p, list) and p and isinstance(p[0], (str, list)) else 1
+
     def prompts(self) -> list[str | list[int]]:
         """The prompts, each a string or a list of token ids."""
         p = self.prompt

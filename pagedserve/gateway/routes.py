@@ -47,7 +47,7 @@ async def _handle(request: Request, data: CompletionRequest | ChatCompletionRequ
     tenant = authenticate(state, request)
     check_model(state, data.model)
     params = data.sampling_params()
-    check_request_size(state, params, len(data.prompts()) if isinstance(data, CompletionRequest) else 1)
+    check_request_size(state, params, data.num_prompts if isinstance(data, CompletionRequest) else 1)
     prompts = prompts_of(state.tokenizer)
     builder = ResponseBuilder(kind, data.model, params.n, len(prompts), data.include_usage, params.logprobs)
     return await serve(state, request, data, prompts, params, tenant, builder)

@@ -46,20 +46,19 @@ class TritonOps(KernelOps):
 
     name = "triton"
 
-    def rms_norm(self, x, weight, eps, residual=None):
-        from pagedserve.kernels.triton_ops import rms_norm
+    def __init__(self) -> None:
+        from pagedserve.kernels import triton_ops  # only where Triton was chosen
 
-        return rms_norm(x, weight, eps, residual)
+        self._kernels = triton_ops
+
+    def rms_norm(self, x, weight, eps, residual=None):
+        return self._kernels.rms_norm(x, weight, eps, residual)
 
     def rotary(self, positions, q, k, cos, sin):
-        from pagedserve.kernels.triton_ops import rotary
-
-        return rotary(positions, q, cos, sin), rotary(positions, k, cos, sin)
+        return self._kernels.rotary(positions, q, cos, sin), self._kernels.rotary(positions, k, cos, sin)
 
     def silu_and_mul(self, x):
-        from pagedserve.kernels.triton_ops import silu_and_mul
-
-        return silu_and_mul(x)
+        return self._kernels.silu_and_mul(x)
 
 
 def select_kernels(name: str, device: torch.device) -> Kernels:

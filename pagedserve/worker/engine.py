@@ -66,7 +66,7 @@ class Engine:
 
     # -- requests ------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
-        return self.tokenizer.encode(prompt, add_special_tokens=True)
+        return self.input_processor.tokenize(prompt)
 
     def add_request(
         self,

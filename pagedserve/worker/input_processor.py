@@ -56,12 +56,15 @@ class InputProcessor:
         self.eos_token_ids = eos_token_ids
         self.device = device
 
+    def tokenize(self, prompt: str) -> list[int]:
+        return self.tokenizer.encode(prompt, add_special_tokens=True)
+
     def process(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
                 cache_salt: str | None = None, resume: list[ResumedCompletion] | None = None) -> NewRequest:
         """Raises a typed error on bad input (`InvalidParameterError`, `ContextLengthExceededError`)."""
         params.validate(max_n=self.max_n)
         if isinstance(prompt, str):
-            text, token_ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+            text, token_ids = prompt, self.tokenize(prompt)
         else:
             text, token_ids = None, token_id_list(prompt, self.vocab_size, "prompt")
         if params.stop_token_ids:
