@@ -29,7 +29,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     enable_chunked_prefill: bool = True  # split long prompts across steps under the budget
     max_model_len: int | None = None  # context length; None: the model's own
     enable_prefix_caching: bool = True
-    scheduler: str = "fcfs"  # entry point in pagedserve.schedulers
+    scheduler: str = "fair"  # entry point in pagedserve.schedulers (fair: fcfs within a tenant, shares across tenants)
     sampler: str = "default"  # entry point in pagedserve.samplers
     attention_backend: str = "auto"  # auto (triton on CUDA, cpu on CPU) | torch | cpu | triton
     enforce_eager: bool = False  # never replay decode steps from CUDA graphs (GPU + triton only)
@@ -89,11 +89,16 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     drain_timeout: float = 30.0  # on SIGTERM: seconds running requests get to finish
     num_workers: int | None = None  # `serve`: None: one per GPU, or one on CPU
     log_level: str = "info"
+    # Per tenant (an API key's tenant; every caller is one tenant without keys). The keys
+    # file may set both per tenant; these are the defaults. Above either: 429.
+    tenant_max_requests: int = 1024  # prompts admitted and not finished (queued or running)
+    tenant_max_queued_tokens: int = 1_048_576  # prompt tokens admitted and not yet taken by a worker
 
     def __post_init__(self) -> None:
         for name in ("max_queued_requests", "max_queued_tokens", "max_attempts", "max_body_bytes",
                      "max_prompts_per_request", "max_choices_per_request", "max_stop_strings",
-                     "max_stop_string_length", "max_stop_token_ids"):
+                     "max_stop_string_length", "max_stop_token_ids", "tenant_max_requests",
+                     "tenant_max_queued_tokens"):
             if getattr(self, name) < 1:
                 raise InvalidParameterError(name, "must be >= 1")
         for name in ("request_timeout", "heartbeat_interval", "worker_timeout", "drain_timeout"):

@@ -82,6 +82,14 @@ class QueueFullError(PagedServeError):
     status_code = 429
 
 
+class TenantLimitError(QueueFullError):
+    """Admission refused: the caller's tenant is at one of its own limits (`code` says which)."""
+
+    def __init__(self, message: str, code: str):
+        super().__init__(message)
+        self.code = code
+
+
 class ServiceUnavailableError(PagedServeError):
     """No live worker, Redis unreachable, or the server is shutting down."""
 

@@ -2,20 +2,27 @@
 entry, and the msgspec Structs that travel in them as msgpack. Both sides import this module;
 the Lua scripts that keep the queue consistent live in `queue_scripts` and are exported here.
 
-    gateway ── QueuedRequest ──> pagedserve:requests ──> worker
+    gateway ── QueuedRequest ──> pagedserve:requests[:{tenant}] ──> worker
     worker  ── Chunk ──────────> pagedserve:out:{request_id} ──> gateway
 
 Keys:
 
-    pagedserve:requests            stream of QueuedRequest; consumer group "workers"
+    pagedserve:requests            stream of QueuedRequest of callers without a tenant
+    pagedserve:requests:{tenant}   the same, one stream per tenant; consumer group "workers"
+                                   in each. An entry lives until its final outcome, so a
+                                   stream's length is its tenant's requests in flight
+    pagedserve:tenants             set of the tenant streams that may hold entries
     pagedserve:queued              requests admitted and not yet pulled by a worker
     pagedserve:queued_tokens       their prompt tokens
+    pagedserve:tenant_tokens       hash: tenant stream → its queued prompt tokens
     pagedserve:out:{request_id}    stream of Chunk, read by the gateway that admitted it
     pagedserve:workers             sorted set: worker id → heartbeat expiry (unix seconds)
     pagedserve:worker:{worker_id}  WorkerInfo, expiring with the heartbeat
     pagedserve:cancel              pub/sub channel of request ids to abort
     pagedserve:cancelled:{id}      set when a request was cancelled before a worker took it
-    pagedserve:admitted:{id}       set at admission, so a retried admission queues nothing
+    pagedserve:admitted:{id}       set at admission, so a retried admission queues nothing;
+                                   renewed by the heartbeat of the worker running it, so
+                                   the gateway can tell a request that no longer exists
 
 Both sides fold a request's chunks with the same `OutputLog`, so a worker that takes over a
 request from a dead one resumes from exactly what the client has been sent.
@@ -29,18 +36,26 @@ from pagedserve.common.outputs import CompletionDelta
 from pagedserve.common.queue_scripts import ACK_IF_OWNER as ACK_IF_OWNER
 from pagedserve.common.queue_scripts import ADMIT as ADMIT
 from pagedserve.common.queue_scripts import HEARTBEAT as HEARTBEAT
+from pagedserve.common.queue_scripts import RECONCILE as RECONCILE
 from pagedserve.common.queue_scripts import TAKEN as TAKEN
 from pagedserve.common.sampling_params import SamplingParams
 
 # -- keys ---------------------------------------------------------------------------------
-REQUESTS = "pagedserve:requests"
+REQUESTS = "pagedserve:requests"  # the stream of callers without a tenant
 GROUP = "workers"
+TENANTS = "pagedserve:tenants"
 QUEUED = "pagedserve:queued"
 QUEUED_TOKENS = "pagedserve:queued_tokens"
+TENANT_TOKENS = "pagedserve:tenant_tokens"
 WORKERS = "pagedserve:workers"
 CANCEL_CHANNEL = "pagedserve:cancel"
 #: how long a finished or abandoned output stream is kept (seconds)
 OUTPUT_TTL = 600
+
+
+def requests_key(tenant: str | None) -> str:
+    """The stream a tenant's requests wait in (and live in until their final outcome)."""
+    return REQUESTS if tenant is None else f"{REQUESTS}:{tenant}"
 
 
 def output_key(request_id: str) -> str:
@@ -86,7 +101,8 @@ class QueuedRequest(msgspec.Struct, kw_only=True):
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams  # validated again on decode (SamplingParams.__post_init__)
-    cache_salt: str | None = None  # the tenant: requests with different salts share no KV block
+    cache_salt: str | None = None  # requests with different salts share no KV block (tenant, caller's salt)
+    tenant: str | None = None  # whose share of the workers it uses (the API key's tenant)
     deadline: float  # unix seconds: past it the request ends with a timeout error
     traceparent: str | None = None  # W3C trace context of the gateway's span
 
@@ -142,7 +158,8 @@ class OutputLog:
 
     Rules, the same for the gateway (what it sends) and a worker resuming (what it skips):
     a chunk of an attempt older than the newest seen is void; a delta is taken only if it
-    starts exactly where its completion stands and that completion has not ended.
+    starts exactly where its completion stands and that completion has not ended. A delta
+    that starts beyond it means chunks were lost (Redis restarted without them): `gap`.
     """
 
     def __init__(self, n: int):
@@ -151,6 +168,7 @@ class OutputLog:
         self.done = False
         self.error: WireError | None = None
         self.num_cached_tokens = 0
+        self.gap = False  # a delta skipped tokens the stream never held: the output is incomplete
 
     def apply(self, chunk: Chunk) -> list[CompletionDelta]:
         """Fold one chunk in; returns the deltas that are new to the client."""
@@ -162,6 +180,8 @@ class OutputLog:
             if not 0 <= delta.index < len(self.completions):
                 continue
             log = self.completions[delta.index]
+            if log.finish_reason is None and delta.start > len(log.token_ids):
+                self.gap = True
             if log.finish_reason is not None or delta.start != len(log.token_ids):
                 continue
             log.token_ids.extend(delta.token_ids)

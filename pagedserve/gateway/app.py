@@ -21,6 +21,7 @@ from litestar.openapi import OpenAPIConfig
 
 from pagedserve.common.config import ServeConfig
 from pagedserve.common.errors import PagedServeError
+from pagedserve.gateway.auth import TenantLimits
 from pagedserve.gateway.errors import (
     http_error_handler,
     internal_error_handler,
@@ -45,6 +46,7 @@ class GatewayState:
     max_model_len: int  # tightened to the smallest a live worker announces
     vocab_size: int  # token ids a prompt may hold
     api_keys: dict[str, str]  # key → tenant; empty: no auth
+    tenant_limits: dict[str, TenantLimits]  # tenant → its own limits (others: the config's)
     drain_deadline: float | None = None  # monotonic; set on SIGTERM
     background: set[asyncio.Task] = field(default_factory=set)
 
@@ -61,11 +63,12 @@ class GatewayState:
 
 
 async def _watch_workers(state: GatewayState) -> None:
-    """Keep the context length at the smallest a live worker announces; keep the group."""
+    """Keep the context length at the smallest a live worker announces, and the queue's
+    counters reconciled with its streams."""
     configured = state.max_model_len
     while True:
         try:
-            await state.queue.ensure_group()
+            await state.queue.reconcile()
             lens = [w.max_model_len for w in await state.queue.live_workers()]
             state.max_model_len = min([configured, *lens])
         except Exception as exc:  # noqa: BLE001 - Redis away: keep the last value
@@ -74,10 +77,12 @@ async def _watch_workers(state: GatewayState) -> None:
 
 
 def create_app(config: ServeConfig, redis_url: str, tokenizer: PromptTokenizer, model_names: tuple[str, ...],
-               max_model_len: int, api_keys: dict[str, str], vocab_size: int | None = None) -> Litestar:
+               max_model_len: int, api_keys: dict[str, str], vocab_size: int | None = None,
+               tenant_limits: dict[str, TenantLimits] | None = None) -> Litestar:
     """The gateway for one model; `vocab_size` defaults to the tokenizer's."""
     vocab_size = vocab_size or tokenizer.tokenizer.get_vocab_size(with_added_tokens=True)
-    state = GatewayState(config, QueueClient(redis_url, config), tokenizer, model_names, max_model_len, vocab_size, api_keys)
+    state = GatewayState(config, QueueClient(redis_url, config), tokenizer, model_names, max_model_len, vocab_size,
+                         api_keys, tenant_limits or {})
 
     async def startup(app: Litestar) -> None:
         state.spawn(_watch_workers(state))

@@ -13,12 +13,12 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from pagedserve.common import queue_protocol as q
 from pagedserve.common.config import ServeConfig
-from pagedserve.common.errors import QueueFullError, ServiceUnavailableError
+from pagedserve.common.errors import QueueFullError, ServiceUnavailableError, TenantLimitError
 from pagedserve.common.queue_protocol import (
     CompletionDelta,
     OutputLog,
@@ -40,6 +40,15 @@ class ShuttingDown(Exception):
     """The gateway's drain time ran out before the request finished."""
 
 
+class RequestLost(Exception):
+    """The request, or part of its output, no longer exists in Redis (it restarted without
+    them): nobody will answer, or the answer would miss tokens."""
+
+
+#: how many checks in a row must miss a request's admitted marker before it counts as lost
+_LOST_AFTER_MISSES = 2
+
+
 class QueueClient:
     def __init__(self, redis_url: str, config: ServeConfig):
         self.config = config
@@ -52,6 +61,7 @@ class QueueClient:
             retry_on_error=[RedisConnectionError, RedisTimeoutError])
         self.redis = aioredis.Redis(connection_pool=pool)
         self._admit = self.redis.register_script(q.ADMIT)
+        self._reconcile = self.redis.register_script(q.RECONCILE)
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -70,46 +80,75 @@ class QueueClient:
         infos = cast("list[bytes | None]", await self.redis.mget([q.worker_key(i.decode()) for i in ids]))
         return [decode_worker_info(x) for x in infos if x]
 
-    async def submit(self, request: QueuedRequest) -> None:
-        """Admit into the queue, or raise QueueFullError / ServiceUnavailableError."""
+    async def submit(self, request: QueuedRequest, max_requests: int | None = None,
+                     max_queued_tokens: int | None = None) -> None:
+        """Admit into the tenant's stream, or raise QueueFullError (TenantLimitError when the
+        tenant's own limits, default the config's, are reached) / ServiceUnavailableError."""
+        config = self.config
+        max_requests = max_requests or config.tenant_max_requests
+        max_queued_tokens = max_queued_tokens or config.tenant_max_queued_tokens
         num_tokens = len(request.prompt_token_ids)
-        args: list[int | bytes] = [self.config.max_queued_requests, self.config.max_queued_tokens, num_tokens, encode(request)]
+        args: list[int | float | bytes] = [
+            config.max_queued_requests, config.max_queued_tokens, num_tokens, encode(request),
+            max_requests, max_queued_tokens, self.marker_ttl]
+        keys = [q.requests_key(request.tenant), q.QUEUED, q.QUEUED_TOKENS, q.WORKERS, q.admitted_key(request.request_id),
+                q.TENANTS, q.TENANT_TOKENS]
         try:
-            admitted, detail = await self._admit(
-                keys=[q.REQUESTS, q.QUEUED, q.QUEUED_TOKENS, q.WORKERS, q.admitted_key(request.request_id)], args=args)
+            admitted, detail = await self._admit(keys=keys, args=args)
         except (RedisConnectionError, RedisTimeoutError) as exc:
             raise ServiceUnavailableError(f"the queue is unreachable: {exc}") from None
         if admitted:
             return
         if detail == b"no_worker":
             raise ServiceUnavailableError("no worker is serving this model right now; try again shortly")
+        if detail == b"tenant_requests":
+            raise TenantLimitError(f"your tenant has {max_requests} requests in flight, its limit; retry later",
+                                   "tenant_requests_limit")
+        if detail == b"tenant_tokens":
+            raise TenantLimitError(f"your tenant has {max_queued_tokens} prompt tokens queued, its limit; retry later",
+                                   "tenant_tokens_limit")
         raise QueueFullError(
-            f"the queue is full ({self.config.max_queued_requests} requests or "
-            f"{self.config.max_queued_tokens} prompt tokens); retry later"
+            f"the queue is full ({config.max_queued_requests} requests or "
+            f"{config.max_queued_tokens} prompt tokens); retry later"
         )
 
-    async def ensure_group(self) -> None:
-        try:
-            await self.redis.xgroup_create(q.REQUESTS, q.GROUP, id="0", mkstream=True)
-        except ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+    @property
+    def marker_ttl(self) -> int:
+        """Seconds an admitted marker lives unless renewed: past any request's deadline."""
+        return int(self.config.request_timeout) + 60
+
+    async def reconcile(self) -> tuple[int, int]:
+        """Set the queued counters from the streams themselves; returns (requests, tokens)."""
+        queued, tokens = await self._reconcile(keys=[q.TENANTS, q.QUEUED, q.QUEUED_TOKENS, q.TENANT_TOKENS],
+                                               args=[q.GROUP])
+        return int(queued), int(tokens)
 
     async def outputs(self, request_id: str, n: int, deadline: float,
                       give_up: Callable[[], bool] = lambda: False) -> AsyncIterator[tuple[list[CompletionDelta], OutputLog]]:
         """The request's new deltas as they arrive, until its final outcome.
 
         Survives Redis going away for a while (the worker keeps its output until it can
-        write it); raises TimeoutError past the deadline and ShuttingDown once `give_up()`.
+        write it); raises TimeoutError past the deadline, ShuttingDown once `give_up()`, and
+        RequestLost when the request's admitted marker stays gone (Redis restarted without
+        it and no worker runs it: nobody will ever answer).
         """
         key = q.output_key(request_id)
         log = OutputLog(n)
         last_id: str | bytes = "0-0"  # then the id of the last entry read
+        # The worker running a request renews its marker every heartbeat; checks are spaced
+        # so that two misses in a row cannot both fall before a renewal.
+        check_every = max(1.0, 2 * self.config.heartbeat_interval)
+        next_check, misses = time.monotonic() + check_every, 0
         while not log.done:
             if time.time() > deadline:
                 raise TimeoutError(request_id)
             if give_up():
                 raise ShuttingDown(request_id)
+            if time.monotonic() >= next_check:
+                next_check = time.monotonic() + check_every
+                misses = 0 if await self._exists(request_id) else misses + 1
+                if misses >= _LOST_AFTER_MISSES:
+                    raise RequestLost(request_id)
             try:
                 reply = cast(StreamRead, await self.redis.xread({key: last_id}, count=256, block=_READ_BLOCK_MS))
             except (RedisConnectionError, RedisTimeoutError) as exc:
@@ -120,10 +159,19 @@ class QueueClient:
                 for entry_id, fields in entries:
                     last_id = entry_id
                     accepted = log.apply(decode_chunk(fields[q.CHUNK_FIELD]))
+                    if log.gap:  # never hand out an answer with tokens missing in the middle
+                        raise RequestLost(request_id)
                     if accepted or log.done:
                         yield accepted, log
         with contextlib.suppress(RedisError):  # it expires anyway
             await self.redis.unlink(key)
+
+    async def _exists(self, request_id: str) -> bool:
+        """Whether the request's admitted marker is there (Redis away: assume it is)."""
+        try:
+            return bool(await self.redis.exists(q.admitted_key(request_id)))
+        except RedisError:
+            return True
 
     async def cancel(self, request_id: str) -> None:
         """Abort a request wherever it is: queued (flag) or running (pub/sub to workers)."""

@@ -13,7 +13,7 @@ import uvicorn
 from pagedserve.common.config import EngineConfig, ServeConfig
 from pagedserve.common.model_store import resolve_model
 from pagedserve.gateway.app import create_app
-from pagedserve.gateway.auth import parse_api_keys
+from pagedserve.gateway.auth import parse_api_keys, parse_tenant_limits
 from pagedserve.gateway.tokenizer import PromptTokenizer
 
 
@@ -27,7 +27,7 @@ def build_gateway(config: ServeConfig, engine: EngineConfig, redis_url: str):
     names = tuple(dict.fromkeys(n for n in (config.served_model_name, engine.model) if n))
     keys = parse_api_keys(config.api_keys_file, os.environ.get("PAGEDSERVE_API_KEYS"))
     return create_app(config, redis_url, PromptTokenizer(model_dir), names, max_len, keys,
-                      vocab_size=model_config.get("vocab_size"))
+                      vocab_size=model_config.get("vocab_size"), tenant_limits=parse_tenant_limits(config.api_keys_file))
 
 
 class _DrainingServer(uvicorn.Server):

@@ -1,7 +1,8 @@
 """The serve path of a completion request, once it is parsed and authenticated.
 
 Each prompt of a request becomes one `QueuedRequest` (tokenized, checked against the
-context length, salted with the caller's tenant), admitted by the queue's Lua script. The
+context length, salted with the caller's tenant), admitted into its tenant's stream under
+the tenant's limits by the queue's Lua script. The
 answer is folded from the requests' output streams, merged across prompts, and sent whole
 or as server-sent events; a client that goes away has its requests cancelled in the worker.
 """
@@ -24,7 +25,7 @@ from pagedserve.common.errors import PagedServeError
 from pagedserve.common.queue_protocol import CompletionDelta, OutputLog, QueuedRequest, WireError
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.gateway.errors import wire_error_response
-from pagedserve.gateway.queue_client import ShuttingDown
+from pagedserve.gateway.queue_client import RequestLost, ShuttingDown
 from pagedserve.gateway.responses import ResponseBuilder
 from pagedserve.gateway.validation import check_admission
 
@@ -33,9 +34,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+#: output batches one multi-prompt request may hold before its readers wait for the client
+_INBOX_SIZE = 64
+
 
 async def _admit(state: GatewayState, request: Request, prompts: list[list[int]], params: SamplingParams,
-                 tenant: str | None) -> list[QueuedRequest]:
+                 tenant: str | None, cache_salt: str | None) -> list[QueuedRequest]:
     """Queue every prompt (all or none) and return the queued requests."""
     params = check_admission(state, prompts, params)
     config = state.config
@@ -43,14 +47,18 @@ async def _admit(state: GatewayState, request: Request, prompts: list[list[int]]
     now = time.time()
     traceparent = request.headers.get("traceparent")
     queued = [
-        QueuedRequest(request_id=f"{base}-{i}", prompt_token_ids=ids, params=params, cache_salt=tenant,
-                      deadline=now + config.request_timeout, traceparent=traceparent)
+        QueuedRequest(request_id=f"{base}-{i}", prompt_token_ids=ids, params=params, cache_salt=cache_salt,
+                      tenant=tenant, deadline=now + config.request_timeout, traceparent=traceparent)
         for i, ids in enumerate(prompts)
     ]
+    limits = state.tenant_limits.get(tenant) if tenant is not None else None
     admitted: list[QueuedRequest] = []
     try:
         for qr in queued:
-            await state.queue.submit(qr)
+            if limits is None:
+                await state.queue.submit(qr)
+            else:
+                await state.queue.submit(qr, limits.max_requests, limits.max_queued_tokens)
             admitted.append(qr)
     except PagedServeError:
         for qr in admitted:
@@ -67,7 +75,8 @@ async def _merged_outputs(state: GatewayState, queued: list[QueuedRequest]) -> A
         async for deltas, log in state.queue.outputs(queued[0].request_id, n, queued[0].deadline, give_up):
             yield 0, deltas, log
         return
-    inbox: asyncio.Queue = asyncio.Queue()
+    # Bounded: a pump waits while the client reads slowly, instead of piling up deltas.
+    inbox: asyncio.Queue = asyncio.Queue(maxsize=_INBOX_SIZE)
 
     async def pump(i: int, qr: QueuedRequest) -> None:
         try:
@@ -102,6 +111,9 @@ def _wire_error_of(exc: BaseException, config: ServeConfig) -> WireError:
     if isinstance(exc, ShuttingDown):
         return WireError(message="the server shut down before this request finished", type="server_error",
                          code="shutting_down", status_code=503)
+    if isinstance(exc, RequestLost):
+        return WireError(message="the request was lost by the queue (Redis restarted without it); retry it",
+                         type="server_error", code="request_lost", status_code=503)
     logger.exception("reading outputs failed", exc_info=exc)
     return WireError(message="internal error while reading the outputs", type="server_error", code="internal_error")
 
@@ -115,9 +127,10 @@ async def _until_disconnect(request: Request) -> None:
 
 
 async def serve(state: GatewayState, request: Request, body, prompts: list[list[int]], params: SamplingParams,
-                tenant: str | None, builder: ResponseBuilder) -> Response | Stream:
-    """Admit the prompts, then answer: the whole body, or an SSE stream when `body.stream`."""
-    queued = await _admit(state, request, prompts, params, tenant)
+                tenant: str | None, builder: ResponseBuilder, cache_salt: str | None = None) -> Response | Stream:
+    """Admit the prompts, then answer: the whole body, or an SSE stream when `body.stream`.
+    `cache_salt` defaults to the tenant: a tenant's prompts never share KV with another's."""
+    queued = await _admit(state, request, prompts, params, tenant, tenant if cache_salt is None else cache_salt)
     builder.prompt_lengths = [len(p) for p in prompts]
     events = _merged_outputs(state, queued)
 
@@ -169,7 +182,7 @@ async def serve(state: GatewayState, request: Request, body, prompts: list[list[
                 finished = True
             for chunk in builder.stream_end():
                 yield chunk
-        except (TimeoutError, ShuttingDown) as exc:  # tell the client, then [DONE]
+        except (TimeoutError, ShuttingDown, RequestLost) as exc:  # tell the client, then [DONE]
             finished = True
             cancel_all()
             yield builder.error_event(_wire_error_of(exc, state.config))

@@ -75,14 +75,17 @@ class Engine:
         params: SamplingParams | None = None,
         cache_salt: str | None = None,
         resume: list[ResumedCompletion] | None = None,
+        tenant: str | None = None,
     ) -> None:
         """Queue a request; raises a typed error (and queues nothing) on bad input.
 
-        `resume` (one entry per completion) continues a request another worker began.
+        `resume` (one entry per completion) continues a request another worker began;
+        `tenant` is whose share of the engine it uses (see the `fair` scheduler).
         """
         if request_id in self.output_processor:
             raise InvalidParameterError("request_id", f"{request_id!r} is already running")
-        new = self.input_processor.process(request_id, prompt, params or SamplingParams(), cache_salt, resume)
+        new = self.input_processor.process(request_id, prompt, params or SamplingParams(), cache_salt, resume,
+                                          tenant)
         self.output_processor.add_request(new)
         for seq in new.sequences:
             if seq is not None:

@@ -60,7 +60,8 @@ class InputProcessor:
         return self.tokenizer.encode(prompt, add_special_tokens=True)
 
     def process(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
-                cache_salt: str | None = None, resume: list[ResumedCompletion] | None = None) -> NewRequest:
+                cache_salt: str | None = None, resume: list[ResumedCompletion] | None = None,
+                tenant: str | None = None) -> NewRequest:
         """Raises a typed error on bad input (`InvalidParameterError`, `ContextLengthExceededError`)."""
         params.validate(max_n=self.max_n)
         if isinstance(prompt, str):
@@ -92,6 +93,7 @@ class InputProcessor:
                 request_id=request_id if params.n == 1 else f"{request_id}#{index}", prompt_token_ids=token_ids,
                 sampling_params=params, eos_token_ids=self.eos_token_ids, max_tokens=max_tokens,
                 parent_id=request_id, index=index, fork_from=first, generator=generator, cache_salt=cache_salt,
+                tenant=tenant,
             )
             if prior is not None:
                 # Resumed siblings differ past the prompt: the prefix cache shares what they can.

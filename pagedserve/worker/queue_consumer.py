@@ -2,6 +2,10 @@
 `QueueClient`. It reads requests, takes over those of dead workers, writes output chunks,
 acknowledges entries, listens for cancellations and keeps the heartbeat.
 
+Requests wait in one stream per tenant; each pull shares the room among the tenant streams
+in turn (`fair_shares`), so a tenant that floods the queue does not push another tenant's
+request back behind its own.
+
 Its promises (the gateway relies on them):
 - an entry is acknowledged only at its final outcome, and only by the worker that owns it;
 - a heartbeat thread keeps the worker's entries fresh, so XAUTOCLAIM moves only the entries
@@ -48,13 +52,39 @@ logger = logging.getLogger(__name__)
 class TakenEntry:
     """A request this worker took from the queue."""
 
-    entry_id: str  # in the requests stream
+    stream: str  # the tenant stream it waits in (queue_protocol.requests_key)
+    entry_id: str  # in that stream
     request: QueuedRequest
     attempt: int  # delivery count: 1 unless other workers died with it
 
 
+@dataclass(frozen=True, slots=True)
+class OwnedEntry:
+    """A request this worker runs, as its heartbeat keeps it."""
+
+    stream: str
+    entry_id: str
+    request_id: str
+
+
+#: rounds of one pull that hand the room an idle tenant left to the busy ones
+_PULL_ROUNDS = 3
+
+
 def new_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+def fair_shares(streams: list[str], room: int, start: int) -> dict[str, int]:
+    """How many entries to read from each tenant stream: `room` split evenly, round-robin
+    from `start`, so a tenant that floods the queue takes no more than its share of a
+    pull and every other tenant's next request is taken at the next pull. With less room
+    than streams, the first `room` streams in turn get one each (`start` rotates)."""
+    if not streams or room <= 0:
+        return {}
+    order = streams[start % len(streams):] + streams[: start % len(streams)]
+    per_stream, extra = divmod(room, len(order))
+    return {s: per_stream + (i < extra) for i, s in enumerate(order) if per_stream + (i < extra) > 0}
 
 
 class QueueConsumer:
@@ -66,71 +96,117 @@ class QueueConsumer:
         self._ack_if_owner = self.redis.register_script(q.ACK_IF_OWNER)
         self._heartbeat_script = self.redis.register_script(q.HEARTBEAT)
         self._outbox: list[tuple[str, bytes]] = []  # (output key, chunk; b"": delete) not yet written
-        self._acks: list[str] = []  # entry ids to acknowledge with the next write
-        self._owned: tuple[str, ...] = ()  # entry ids, for the heartbeat thread (swapped whole)
-        self._lost: queue.SimpleQueue[str] = queue.SimpleQueue()  # entries another worker took
+        self._acks: list[tuple[str, str]] = []  # (stream, entry id) to acknowledge with the next write
+        self._owned: tuple[OwnedEntry, ...] = ()  # for the heartbeat thread (swapped whole)
+        self._lost: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()  # (stream, entry id) another worker took
         self._pubsub: redis.client.PubSub | None = None
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
+        self._turn = 0  # the tenant stream the next pull starts from (round-robin)
 
     # -- reading ------------------------------------------------------------------------------
-    def pull(self, room: int, block_ms: int | None) -> list[TakenEntry]:
-        """Up to `room` new requests, waiting up to `block_ms` when None are queued (None:
-        do not wait). They are counted out of the queue's bounds at once."""
+    def tenant_streams(self) -> list[str]:
+        """The tenant streams that may hold requests, in a fixed order."""
+        return sorted(s.decode() for s in cast("set[bytes]", self.redis.smembers(q.TENANTS)))
+
+    def pull(self, room: int, block_ms: int | None, streams: list[str] | None = None) -> list[TakenEntry]:
+        """Up to `room` new requests, shared fairly among the tenant streams (`fair_shares`),
+        waiting up to `block_ms` when none are queued (None: do not wait). They are counted
+        out of the queue's bounds at once."""
+        streams = self.tenant_streams() if streams is None else streams
+        entries: list[tuple[str, str, dict[bytes, bytes]]] = []
+        shares = fair_shares(streams, room, self._turn)
+        if not shares and block_ms:
+            self.wait(block_ms / 1000)
+        self._turn += len(shares)
         try:
-            reply = cast(StreamRead, self.redis.xreadgroup(q.GROUP, self.worker_id, {q.REQUESTS: ">"},
-                                                           count=room, block=block_ms))
+            if shares and block_ms:  # idle: wake at the first request of any tenant
+                entries += self._read(dict.fromkeys(shares, 1), block_ms)
+                if not entries:
+                    return []
+                shares = fair_shares(streams, room - len(entries), self._turn)
+            # Rounds: the room a stream could not use (it held fewer than its share) goes to
+            # the streams that filled theirs, so one busy tenant among idle ones still fills it.
+            for _ in range(_PULL_ROUNDS):
+                if not shares:
+                    break
+                got = self._read(shares, None)
+                entries += got
+                counts = {s: 0 for s in shares}
+                for stream, _, _ in got:
+                    counts[stream] += 1
+                full = [s for s in shares if counts[s] == shares[s]]
+                shares = fair_shares(full, room - len(entries), 0)
         except redis.ResponseError as exc:
             if "NOGROUP" not in str(exc):
                 raise
-            self.ensure_group()
-            return []
-        entries = [(eid, fields) for eid, fields in (reply[0][1] if reply else []) if fields]
+            self.ensure_groups(streams)  # Redis restarted: the streams come back with their groups
         if not entries:
             return []
-        num_tokens = sum(int(fields.get(q.PROMPT_TOKENS_FIELD, 0)) for _, fields in entries)
-        self._count_taken(keys=[q.QUEUED, q.QUEUED_TOKENS], args=[len(entries), num_tokens])
-        return self._decoded((eid.decode(), fields, 1) for eid, fields in entries)
+        tokens: dict[str, int] = {}
+        for key, _, fields in entries:
+            tokens[key] = tokens.get(key, 0) + int(fields.get(q.PROMPT_TOKENS_FIELD, 0))
+        self._count_taken(keys=[q.QUEUED, q.QUEUED_TOKENS, q.TENANT_TOKENS],
+                          args=[len(entries), sum(tokens.values()), *[x for pair in tokens.items() for x in pair]])
+        return self._decoded((key, eid, fields, 1) for key, eid, fields in entries)
+
+    def _read(self, shares: dict[str, int], block_ms: int | None) -> list[tuple[str, str, dict[bytes, bytes]]]:
+        """New entries of these streams, up to each one's share: (stream, entry id, fields).
+        Only the first command blocks (on the streams of the largest share)."""
+        entries: list[tuple[str, str, dict[bytes, bytes]]] = []
+        # One XREADGROUP per share size (COUNT applies to each stream of a command).
+        for count in sorted(set(shares.values()), reverse=True):
+            keys: dict[str | bytes | memoryview, str | int | bytes | memoryview] = {
+                s: ">" for s, c in shares.items() if c == count}
+            reply = cast(StreamRead, self.redis.xreadgroup(q.GROUP, self.worker_id, keys, count=count,
+                                                           block=block_ms if not entries else None))
+            for name, read in reply or []:
+                entries += [(name.decode(), eid.decode(), fields) for eid, fields in read if fields]
+            block_ms = None
+        return entries
 
     def reclaim(self, room: int) -> list[TakenEntry]:
         """Up to `room` entries of workers whose heartbeat stopped, now this worker's."""
-        try:
-            reply = self.redis.xautoclaim(q.REQUESTS, q.GROUP, self.worker_id,
-                                          min_idle_time=int(self.config.worker_timeout * 1000), count=room)
-        except redis.ResponseError as exc:
-            if "NOGROUP" not in str(exc):
-                raise
-            self.ensure_group()
-            return []
-        claimed: list[tuple[str, dict[bytes, bytes], int]] = []
-        for entry_id, fields in reply[1]:
-            if not fields:
+        claimed: list[tuple[str, str, dict[bytes, bytes], int]] = []
+        for stream in self.tenant_streams():
+            if len(claimed) >= room:
+                break
+            try:
+                reply = self.redis.xautoclaim(stream, q.GROUP, self.worker_id, count=room - len(claimed),
+                                              min_idle_time=int(self.config.worker_timeout * 1000))
+            except redis.ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
                 continue
-            entry_id = entry_id.decode()
-            pending = self.redis.xpending_range(q.REQUESTS, q.GROUP, min=entry_id, max=entry_id, count=1)
-            attempt = cast(int, pending[0]["times_delivered"]) if pending else 2
-            logger.warning("worker %s takes over entry %s (delivery %d)", self.worker_id, entry_id, attempt)
-            claimed.append((entry_id, fields, attempt))
+            for entry_id, fields in reply[1]:
+                if not fields:
+                    continue
+                entry_id = entry_id.decode()
+                pending = self.redis.xpending_range(stream, q.GROUP, min=entry_id, max=entry_id, count=1)
+                attempt = cast(int, pending[0]["times_delivered"]) if pending else 2
+                logger.warning("worker %s takes over entry %s of %s (delivery %d)", self.worker_id, entry_id, stream, attempt)
+                claimed.append((stream, entry_id, fields, attempt))
         return self._decoded(claimed)
 
-    def _decoded(self, entries: Iterable[tuple[str, dict[bytes, bytes], int]]) -> list[TakenEntry]:
+    def _decoded(self, entries: Iterable[tuple[str, str, dict[bytes, bytes], int]]) -> list[TakenEntry]:
         taken = []
-        for entry_id, fields, attempt in entries:
+        for stream, entry_id, fields, attempt in entries:
             try:
                 request = decode_request(fields[q.REQUEST_FIELD])
             except (KeyError, msgspec.DecodeError, msgspec.ValidationError, PagedServeError) as exc:
-                logger.error("dropping malformed queue entry %s: %s", entry_id, exc)
-                self.ack(entry_id)
+                logger.error("dropping malformed queue entry %s of %s: %s", entry_id, stream, exc)
+                self.ack(stream, entry_id)
                 continue
-            taken.append(TakenEntry(entry_id, request, attempt))
+            taken.append(TakenEntry(stream, entry_id, request, attempt))
         return taken
 
-    def ensure_group(self) -> None:
-        try:
-            self.redis.xgroup_create(q.REQUESTS, q.GROUP, id="0", mkstream=True)
-        except redis.ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+    def ensure_groups(self, streams: Iterable[str]) -> None:
+        for stream in streams:
+            try:
+                self.redis.xgroup_create(stream, q.GROUP, id="0", mkstream=True)
+            except redis.ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
 
     def is_cancelled(self, request_id: str) -> bool:
         """Whether the client left while the request was queued."""
@@ -146,7 +222,7 @@ class QueueConsumer:
             ids.append(message["data"].decode())
         return ids
 
-    def lost_entries(self) -> set[str]:
+    def lost_entries(self) -> set[tuple[str, str]]:
         """Entries the heartbeat found in another worker's hands."""
         lost = set()
         while not self._lost.empty():
@@ -175,8 +251,8 @@ class QueueConsumer:
     def delete_output(self, request_id: str) -> None:
         self._outbox.append((q.output_key(request_id), b""))
 
-    def ack(self, entry_id: str) -> None:
-        self._acks.append(entry_id)
+    def ack(self, stream: str, entry_id: str) -> None:
+        self._acks.append((stream, entry_id))
 
     def flush(self) -> None:
         """Write queued chunks and acks in one round trip; kept for a retry if Redis is away."""
@@ -189,8 +265,8 @@ class QueueConsumer:
                 pipe.expire(key, q.OUTPUT_TTL)
             else:
                 pipe.delete(key)
-        for entry_id in self._acks:
-            self._ack_if_owner(keys=[q.REQUESTS], args=[q.GROUP, self.worker_id, entry_id], client=pipe)
+        for stream, entry_id in self._acks:
+            self._ack_if_owner(keys=[stream], args=[q.GROUP, self.worker_id, entry_id], client=pipe)
         results = pipe.execute(raise_on_error=False)  # connection errors raise: all is kept
         self._outbox.clear()
         self._acks.clear()
@@ -200,9 +276,9 @@ class QueueConsumer:
                 logger.error("redis write failed: %s", result)
 
     # -- heartbeat ----------------------------------------------------------------------------
-    def set_owned(self, entry_ids: Iterable[str]) -> None:
+    def set_owned(self, entries: Iterable[OwnedEntry]) -> None:
         """The entries the heartbeat keeps fresh (swapped whole: the thread reads it whole)."""
-        self._owned = tuple(entry_ids)
+        self._owned = tuple(entries)
 
     def start_heartbeat(self, info: Callable[[], WorkerInfo]) -> None:
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, args=(info,), name="heartbeat", daemon=True)
@@ -210,19 +286,16 @@ class QueueConsumer:
 
     def _heartbeat_loop(self, info: Callable[[], WorkerInfo]) -> None:
         ttl_ms = int(self.config.worker_timeout * 1000)
+        marker_ttl = int(self.config.request_timeout) + 60
         while not self._stop.is_set():
-            owned = self._owned
+            owned = [x for e in self._owned for x in (e.stream, e.entry_id, q.admitted_key(e.request_id))]
             try:
-                lost = self._heartbeat_script(keys=[q.REQUESTS, q.WORKERS, q.worker_key(self.worker_id)],
-                                              args=[q.GROUP, self.worker_id, ttl_ms, encode(info()), *owned])
-                for entry_id in lost:
-                    self._lost.put(entry_id.decode())
+                lost = self._heartbeat_script(keys=[q.WORKERS, q.worker_key(self.worker_id)],
+                                              args=[q.GROUP, self.worker_id, ttl_ms, encode(info()), marker_ttl, *owned])
+                for stream, entry_id in zip(lost[::2], lost[1::2], strict=True):
+                    self._lost.put((stream.decode(), entry_id.decode()))
             except redis.ResponseError as exc:
-                if "NOGROUP" in str(exc):
-                    with contextlib.suppress(redis.RedisError):
-                        self.ensure_group()
-                else:
-                    logger.error("heartbeat failed: %s", exc)
+                logger.error("heartbeat failed: %s", exc)
             except redis.RedisError as exc:
                 logger.warning("heartbeat failed: %s", exc)
             self._stop.wait(self.config.heartbeat_interval)

@@ -27,7 +27,7 @@ from pagedserve.common.outputs import RequestDelta
 from pagedserve.common.queue_protocol import Chunk, WireError, WorkerInfo
 from pagedserve.worker.engine import Engine
 from pagedserve.worker.input_processor import ResumedCompletion
-from pagedserve.worker.queue_consumer import QueueConsumer, TakenEntry
+from pagedserve.worker.queue_consumer import OwnedEntry, QueueConsumer, TakenEntry
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,8 @@ _IDLE_BLOCK_MS = 100
 class _Running:
     """A queue entry the engine is working on."""
 
-    entry_id: str  # in the requests stream
+    stream: str  # the tenant stream of its entry
+    entry_id: str  # in that stream
     request_id: str
     attempt: int  # delivery count: 1 unless another worker died with it
     deadline: float  # unix seconds
@@ -133,16 +134,24 @@ class WorkerService:
                 for entry in self.queue.reclaim(room):
                     self._start(entry)
             self._next_reclaim = time.monotonic() + self.config.heartbeat_interval
+        streams = self.queue.tenant_streams()
         if (room := self._room()) > 0:
             block = None if self.engine.has_unfinished_requests() else _IDLE_BLOCK_MS
-            for entry in self.queue.pull(room, block):
-                self._start(entry)
+            taken = self.queue.pull(room, block, streams)
+        else:
+            # Full: still take one request of each tenant that has nothing here, so that the
+            # scheduler can give it its share at the next step instead of after the others.
+            present = {run.stream for run in self.running.values()}
+            newcomers = [s for s in streams if s not in present]
+            taken = self.queue.pull(len(newcomers), None, newcomers) if newcomers else []
+        for entry in taken:
+            self._start(entry)
 
     def _start(self, entry: TakenEntry) -> None:
         request = entry.request
-        run = _Running(entry.entry_id, request.request_id, entry.attempt, request.deadline)
+        run = _Running(entry.stream, entry.entry_id, request.request_id, entry.attempt, request.deadline)
         if self.queue.is_cancelled(request.request_id):
-            self.queue.ack(entry.entry_id)  # the client left while it was queued
+            self.queue.ack(entry.stream, entry.entry_id)  # the client left while it was queued
             return
         if entry.attempt > self.config.max_attempts:
             self._end(run, WireError(message=f"the request failed: {entry.attempt - 1} workers died while running it",
@@ -158,7 +167,7 @@ class WorkerService:
                 return
         try:
             self.engine.add_request(request.request_id, request.prompt_token_ids, request.params,
-                                    cache_salt=request.cache_salt, resume=resume)
+                                    cache_salt=request.cache_salt, resume=resume, tenant=request.tenant)
         except PagedServeError as exc:
             self._end(run, WireError(message=exc.message, type=exc.error_type, code=exc.code,
                                      param=exc.param, status_code=exc.status_code), started=False)
@@ -177,7 +186,7 @@ class WorkerService:
         """What the client has of each completion; None (and the entry settled) if nothing is left."""
         log = self.queue.claim_output(run.request_id, run.attempt, n)
         if log.done:
-            self.queue.ack(run.entry_id)
+            self.queue.ack(run.stream, run.entry_id)
             return None
         if all(c.finish_reason is not None for c in log.completions):
             self._end(run, None, started=False)
@@ -192,12 +201,12 @@ class WorkerService:
                 logger.info("request %s cancelled by its client", request_id)
                 self.num_cancelled += 1
                 self._forget(run)
-                self.queue.ack(run.entry_id)
+                self.queue.ack(run.stream, run.entry_id)
                 self.queue.delete_output(request_id)
 
     def _apply_lost(self) -> None:
         lost = self.queue.lost_entries()
-        for run in [r for r in self.running.values() if r.entry_id in lost]:
+        for run in [r for r in self.running.values() if (r.stream, r.entry_id) in lost]:
             logger.warning("request %s was taken over by another worker; dropping it here", run.request_id)
             self._forget(run)
 
@@ -207,7 +216,7 @@ class WorkerService:
             self._end(run, _timeout_error(self.config))
 
     def _owned_changed(self) -> None:
-        self.queue.set_owned(r.entry_id for r in self.running.values())
+        self.queue.set_owned(OwnedEntry(r.stream, r.entry_id, r.request_id) for r in self.running.values())
 
     def _forget(self, run: _Running) -> None:
         self.engine.abort_request(run.request_id)
@@ -226,7 +235,7 @@ class WorkerService:
                 error = None if out.error is None else WireError(message=out.error, code="engine_error")
                 self.queue.send(run.request_id, Chunk(attempt=run.attempt, deltas=deltas, done=True, error=error,
                                                       num_cached_tokens=out.num_cached_tokens))
-                self.queue.ack(run.entry_id)
+                self.queue.ack(run.stream, run.entry_id)
                 self.running.pop(run.request_id, None)
                 self._owned_changed()
             elif deltas:
@@ -237,7 +246,7 @@ class WorkerService:
         if started:
             self._forget(run)
         self.queue.send(run.request_id, Chunk(attempt=run.attempt, done=True, error=error))
-        self.queue.ack(run.entry_id)
+        self.queue.ack(run.stream, run.entry_id)
 
     def info(self) -> WorkerInfo:
         kv = self.engine.kv_manager

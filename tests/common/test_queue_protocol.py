@@ -30,7 +30,9 @@ def test_fold_takes_contiguous_deltas_once():
     assert log.apply(Chunk(attempt=1, deltas=[_delta(0, 0, [5, 6], "ab"), _delta(1, 0, [7], "c")])) != []
     # a replay of tokens the client has is dropped; so is a gap
     assert log.apply(Chunk(attempt=1, deltas=[_delta(0, 0, [5, 6], "ab")])) == []
+    assert not log.gap
     assert log.apply(Chunk(attempt=1, deltas=[_delta(0, 3, [9], "z")])) == []
+    assert log.gap  # tokens 2.. never arrived: the reader must not pass the rest off as whole
     taken = log.apply(Chunk(attempt=1, deltas=[_delta(0, 2, [8], "d", "length")]))
     assert [d.token_ids for d in taken] == [[8]]
     assert log.apply(Chunk(attempt=1, deltas=[_delta(0, 3, [9], "z")])) == []  # ended

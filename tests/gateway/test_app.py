@@ -184,9 +184,12 @@ def test_tenant_is_the_cache_salt_and_unanswered_requests_time_out(redis_server,
                           headers={"Authorization": f"Bearer {key}"})
             assert r.status_code == 504 and r.json()["error"]["code"] == "request_timeout"
     ended = time.time()
-    entries = redis_client.xrange(q.REQUESTS)
+    # each tenant's requests wait in its own stream
+    entries = redis_client.xrange(q.requests_key("t1")) + redis_client.xrange(q.requests_key("t2"))
     queued = [decode_request(fields[q.REQUEST_FIELD]) for _, fields in entries]
-    assert [r.cache_salt for r in queued] == ["t1", "t2"]
+    assert [r.cache_salt for r in queued] == ["t1", "t2"] and [r.tenant for r in queued] == ["t1", "t2"]
+    assert redis_client.xlen(q.REQUESTS) == 0
+    assert {m.decode() for m in redis_client.smembers(q.TENANTS)} == {q.requests_key("t1"), q.requests_key("t2")}
     assert [r.prompt_token_ids for r in queued] == [[1, 2, 3], [1, 2, 3]]
     assert all(started + 1.0 <= r.deadline <= ended for r in queued)  # admission time + request_timeout
 
@@ -299,3 +302,103 @@ def test_a_null_max_tokens_is_capped_by_the_limit():
     assert check_admission(state, [list(range(1, 50))], SamplingParams(max_tokens=None)).max_tokens == 32
     unlimited = SimpleNamespace(drain_deadline=None, config=ServeConfig(), max_model_len=64, vocab_size=320)
     assert check_admission(unlimited, [[1, 2, 3]], SamplingParams(max_tokens=None)).max_tokens is None
+
+
+def test_tenant_limits_give_429_naming_the_limit(redis_server, redis_client, tokenizer_dir):
+    """Each tenant has its own bounds (the keys file's, else the config's); the 429 says which."""
+    from pagedserve.common.errors import TenantLimitError
+    from pagedserve.gateway.auth import TenantLimits
+
+    config = ServeConfig(tenant_max_requests=3, tenant_max_queued_tokens=1000)
+    _beat(redis_client)
+
+    def tenant_request(i: int, tenant: str, num_tokens: int = 5) -> QueuedRequest:
+        return QueuedRequest(request_id=f"{tenant}-{i}", prompt_token_ids=[1] * num_tokens, tenant=tenant,
+                             params=SamplingParams(max_tokens=4), deadline=time.time() + 60)
+
+    async def scenario():
+        queue = QueueClient(redis_server.url, config)
+        try:
+            await queue.submit(tenant_request(0, "a"), max_requests=2)
+            await queue.submit(tenant_request(1, "a"), max_requests=2)
+            with pytest.raises(TenantLimitError) as limited:
+                await queue.submit(tenant_request(2, "a"), max_requests=2)
+            assert limited.value.code == "tenant_requests_limit" and limited.value.status_code == 429
+            for i in range(3):  # another tenant is not held back by a's limit; the default applies
+                await queue.submit(tenant_request(i, "b"))
+            with pytest.raises(TenantLimitError, match="3 requests in flight"):
+                await queue.submit(tenant_request(3, "b"))
+            await queue.submit(tenant_request(0, "c", 600))
+            with pytest.raises(TenantLimitError) as limited:
+                await queue.submit(tenant_request(1, "c", 600))
+            assert limited.value.code == "tenant_tokens_limit"
+        finally:
+            await queue.close()
+
+    asyncio.run(scenario())
+    assert [redis_client.xlen(q.requests_key(t)) for t in "abc"] == [2, 3, 1]
+    assert {k.decode(): int(v) for k, v in redis_client.hgetall(q.TENANT_TOKENS).items()} == {
+        q.requests_key("a"): 10, q.requests_key("b"): 15, q.requests_key("c"): 600}
+    # over HTTP: the keys file's limit for t1, in OpenAI's shape
+    app = create_app(config, redis_server.url, PromptTokenizer(tokenizer_dir), ("tiny",), 64, {"sk-1": "a"},
+                     tenant_limits={"a": TenantLimits(max_requests=2)})
+    with TestClient(app) as http:
+        r = http.post("/v1/completions", json={"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 2},
+                      headers={"Authorization": "Bearer sk-1"})
+    assert r.status_code == 429 and r.headers["retry-after"] == "1"
+    assert r.json()["error"]["code"] == "tenant_requests_limit" and r.json()["error"]["type"] == "rate_limit_error"
+
+
+def test_counters_are_reconciled_with_the_streams(redis_server, redis_client):
+    """Whatever the counters say, reconciling sets them to the entries no worker has read."""
+    _beat(redis_client)
+
+    async def scenario():
+        queue = QueueClient(redis_server.url, ServeConfig())
+        try:
+            for i, (tenant, tokens) in enumerate([("a", 5), ("a", 7), ("b", 11)]):
+                await queue.submit(QueuedRequest(request_id=f"r{i}", prompt_token_ids=[1] * tokens, tenant=tenant,
+                                                 params=SamplingParams(max_tokens=4), deadline=time.time() + 60))
+            await queue.submit(QueuedRequest(request_id="gone", prompt_token_ids=[1] * 3, tenant="c",
+                                             params=SamplingParams(max_tokens=4), deadline=time.time() + 60))
+            # a worker reads a's first entry and dies before counting it; c's entry is finished
+            redis_client.xreadgroup(q.GROUP, "w1", {q.requests_key("a"): ">"}, count=1)
+            [(entry_id, _)] = redis_client.xrange(q.requests_key("c"))
+            redis_client.xdel(q.requests_key("c"), entry_id)
+            redis_client.set(q.QUEUED, 99)
+            redis_client.set(q.QUEUED_TOKENS, -4)
+            return await queue.reconcile()
+        finally:
+            await queue.close()
+
+    assert asyncio.run(scenario()) == (2, 18)
+    assert int(redis_client.get(q.QUEUED)) == 2 and int(redis_client.get(q.QUEUED_TOKENS)) == 18
+    assert {k.decode(): int(v) for k, v in redis_client.hgetall(q.TENANT_TOKENS).items()} == {
+        q.requests_key("a"): 7, q.requests_key("b"): 11}
+    # the empty stream of c left the tenants set; a's running entry keeps a in it
+    assert {m.decode() for m in redis_client.smembers(q.TENANTS)} == {q.requests_key("a"), q.requests_key("b")}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_lost_by_redis_fails_fast_with_503(redis_server, redis_client, tokenizer_dir, stream):
+    """Redis restarted without the queued request: no worker will ever answer, and the
+    gateway says so within seconds instead of waiting for the request timeout."""
+    config = ServeConfig(heartbeat_interval=0.2, worker_timeout=1.0, request_timeout=60)
+    app = create_app(config, redis_server.url, PromptTokenizer(tokenizer_dir), ("tiny",), 64, {})
+    _beat(redis_client)
+    answers = []
+    with TestClient(app) as http:
+        body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 2, "stream": stream}
+        waiting = threading.Thread(target=lambda: answers.append(http.post("/v1/completions", json=body)))
+        started = time.monotonic()
+        waiting.start()
+        deadline = time.monotonic() + 10
+        while redis_client.xlen(q.REQUESTS) == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        [(_, fields)] = redis_client.xrange(q.REQUESTS)
+        request_id = decode_request(fields[q.REQUEST_FIELD]).request_id
+        redis_client.delete(q.REQUESTS, q.admitted_key(request_id))  # what a restart without it leaves
+        waiting.join(timeout=30)
+    assert not waiting.is_alive() and time.monotonic() - started < 30  # not the 60 s request timeout
+    # streamed or not, nothing had been sent yet: the error keeps its HTTP status
+    assert answers[0].status_code == 503 and answers[0].json()["error"]["code"] == "request_lost"

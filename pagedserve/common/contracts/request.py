@@ -56,6 +56,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     num_preemptions: int = 0
     cache_salt: str | None = None  # tenant salt: requests with different salts share no block
+    tenant: str | None = None  # whose share of the engine it uses (fair schedulers balance tenants)
     stop_reason: str | int | None = None
     generator: torch.Generator | None = None  # per-request RNG when a seed is given
     first_token_time: float | None = None
