@@ -31,3 +31,23 @@ def test_authentication_never_fails_open(tmp_path):
             parse_api_keys(None, env)
     # an empty key would have matched "Authorization: Bearer " (compare_digest of b"" and b"")
     assert tenant_for(parse_api_keys(None, "sk-a"), "Bearer ") is None
+
+
+def test_tenant_limits_from_the_keys_file(tmp_path):
+    from pagedserve.gateway.auth import TenantLimits, parse_tenant_limits
+
+    keys_file = tmp_path / "keys"
+    keys_file.write_text("sk-a team-a max_requests=4 max_queued_tokens=900\n"
+                         "sk-a2 team-a max_requests=4 max_queued_tokens=900  # the same tenant, the same limits\n"
+                         "sk-b team-b\n"
+                         "sk-c max_requests=2\n")
+    limits = parse_tenant_limits(str(keys_file))
+    key_c_tenant = parse_api_keys(str(keys_file), None)["sk-c"]
+    assert limits == {"team-a": TenantLimits(4, 900), key_c_tenant: TenantLimits(max_requests=2)}
+    assert parse_api_keys(str(keys_file), None)["sk-a2"] == "team-a"
+    assert parse_tenant_limits(None) == {}
+    for bad, match in [("sk-a team-a max_requests=0\n", "max_requests=N"), ("sk-a team-a burst=3\n", "burst"),
+                       ("sk-a t max_requests=2\nsk-b t max_requests=3\n", "two different limits")]:
+        keys_file.write_text(bad)
+        with pytest.raises(InvalidParameterError, match=match):
+            parse_tenant_limits(str(keys_file))
