@@ -93,15 +93,25 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     # file may set both per tenant; these are the defaults. Above either: 429.
     tenant_max_requests: int = 1024  # prompts admitted and not finished (queued or running)
     tenant_max_queued_tokens: int = 1_048_576  # prompt tokens admitted and not yet taken by a worker
+    max_json_depth: int = 32  # nesting of arrays and objects in a request body; deeper: 400 before it is parsed
+    max_chat_messages: int = 1024  # entries of a chat request's `messages`
+    max_cache_salt_length: int = 256  # characters of a request's `cache_salt`
+    tokenizer_threads: int = 4  # threads that tokenize and render chat templates, off the event loop
+    max_connections: int = 2048  # open HTTP connections and running requests; a request beyond them gets 503
+    keep_alive_timeout: int = 5  # seconds an idle keep-alive connection stays open
+    header_timeout: float = 10.0  # seconds a client has to send a request's headers (slowloris)
+    body_timeout: float = 60.0  # seconds a client has to send a request's body, once its headers arrived
 
     def __post_init__(self) -> None:
         for name in ("max_queued_requests", "max_queued_tokens", "max_attempts", "max_body_bytes",
                      "max_prompts_per_request", "max_choices_per_request", "max_stop_strings",
                      "max_stop_string_length", "max_stop_token_ids", "tenant_max_requests",
-                     "tenant_max_queued_tokens"):
+                     "tenant_max_queued_tokens", "max_json_depth", "max_chat_messages",
+                     "max_cache_salt_length", "tokenizer_threads", "max_connections", "keep_alive_timeout"):
             if getattr(self, name) < 1:
                 raise InvalidParameterError(name, "must be >= 1")
-        for name in ("request_timeout", "heartbeat_interval", "worker_timeout", "drain_timeout"):
+        for name in ("request_timeout", "heartbeat_interval", "worker_timeout", "drain_timeout", "header_timeout",
+                     "body_timeout"):
             if getattr(self, name) <= 0:
                 raise InvalidParameterError(name, "must be > 0 seconds")
         if self.worker_timeout <= 2 * self.heartbeat_interval:

@@ -1,9 +1,10 @@
 """The Litestar app: `create_app` assembles the gateway for one model, and `GatewayState` is
 what its routes share (the queue client, the tokenizer, the limits, the drain deadline).
 
-Where the rest lives: the routes in `routes`, request checks in `validation`, the serve path
-(admission, merged outputs, SSE, disconnects) in `streaming`, OpenAI-shaped errors and the
-exception handlers in `errors`.
+Where the rest lives: the routes in `routes`, request checks in `validation` and (on the raw
+body) `json_limits`, the serve path (admission, merged outputs, SSE, disconnects) in
+`streaming`, OpenAI-shaped errors and the exception handlers in `errors`, the HTTP server's
+own limits (connections, slow clients) in `server` and `http_timeouts`.
 """
 
 from __future__ import annotations
@@ -12,8 +13,13 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, TypeVar
 
+import anyio
+import anyio.to_thread
 from litestar import Litestar
 from litestar.datastructures import State
 from litestar.exceptions import HTTPException, ValidationException
@@ -21,6 +27,7 @@ from litestar.openapi import OpenAPIConfig
 
 from pagedserve.common.config import ServeConfig
 from pagedserve.common.errors import PagedServeError
+from pagedserve.common.sampling_params import MAX_N
 from pagedserve.gateway.auth import TenantLimits
 from pagedserve.gateway.errors import (
     http_error_handler,
@@ -33,6 +40,8 @@ from pagedserve.gateway.routes import ROUTE_HANDLERS
 from pagedserve.gateway.tokenizer import PromptTokenizer
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -47,8 +56,18 @@ class GatewayState:
     vocab_size: int  # token ids a prompt may hold
     api_keys: dict[str, str]  # key → tenant; empty: no auth
     tenant_limits: dict[str, TenantLimits]  # tenant → its own limits (others: the config's)
+    max_n: int = MAX_N  # largest n the workers take (EngineConfig.max_n)
     drain_deadline: float | None = None  # monotonic; set on SIGTERM
     background: set[asyncio.Task] = field(default_factory=set)
+    # at most `tokenizer_threads` CPU-heavy steps at once; made on startup, in the app's loop
+    cpu_limiter: anyio.CapacityLimiter | None = None
+
+    async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run a CPU-heavy step (tokenizing, rendering a chat template, scanning a body) in a
+        thread, so the event loop keeps serving other requests meanwhile."""
+        if self.cpu_limiter is None:
+            self.cpu_limiter = anyio.CapacityLimiter(self.config.tokenizer_threads)
+        return await anyio.to_thread.run_sync(partial(fn, *args), limiter=self.cpu_limiter)
 
     def begin_drain(self) -> None:
         if self.drain_deadline is None:
@@ -78,13 +97,14 @@ async def _watch_workers(state: GatewayState) -> None:
 
 def create_app(config: ServeConfig, redis_url: str, tokenizer: PromptTokenizer, model_names: tuple[str, ...],
                max_model_len: int, api_keys: dict[str, str], vocab_size: int | None = None,
-               tenant_limits: dict[str, TenantLimits] | None = None) -> Litestar:
+               tenant_limits: dict[str, TenantLimits] | None = None, max_n: int = MAX_N) -> Litestar:
     """The gateway for one model; `vocab_size` defaults to the tokenizer's."""
     vocab_size = vocab_size or tokenizer.tokenizer.get_vocab_size(with_added_tokens=True)
     state = GatewayState(config, QueueClient(redis_url, config), tokenizer, model_names, max_model_len, vocab_size,
-                         api_keys, tenant_limits or {})
+                         api_keys, tenant_limits or {}, max_n)
 
     async def startup(app: Litestar) -> None:
+        state.cpu_limiter = anyio.CapacityLimiter(config.tokenizer_threads)
         state.spawn(_watch_workers(state))
 
     async def shutdown(app: Litestar) -> None:

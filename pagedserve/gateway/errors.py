@@ -15,6 +15,12 @@ from pagedserve.common.queue_protocol import WireError
 logger = logging.getLogger(__name__)
 
 
+class InvalidBodyError(PagedServeError):
+    """The request body as a whole is refused (no one field is to blame)."""
+
+    code = "invalid_request"
+
+
 def error_response(status: int, message: str, type_: str, code: str | None = None, param: str | None = None,
                    headers: dict[str, str] | None = None) -> Response:
     body = {"error": {"message": message, "type": type_, "param": param, "code": code}}

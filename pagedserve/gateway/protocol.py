@@ -2,7 +2,12 @@
 
 Fields follow OpenAI's API; `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`,
 `min_tokens`, `stop_token_ids` and `skip_special_tokens` are the extras vLLM users expect.
-Unknown fields are ignored (clients send many); fields we cannot honour are refused.
+`cache_salt` is vLLM's: requests share cached prompt blocks only with requests of the same
+salt (and the same tenant). Unknown fields are ignored (clients send many); fields we cannot
+honour are refused.
+
+Bounds that need the server's configuration (sizes, counts) are checked in `validation`;
+the body's nesting and integer sizes, before it is parsed, in `json_limits`.
 """
 
 from __future__ import annotations
@@ -12,7 +17,10 @@ from typing import Any
 import msgspec
 
 from pagedserve.common.errors import InvalidParameterError
-from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.common.sampling_params import MAX_LOGPROBS, SamplingParams
+
+#: The roles a chat message may have. `developer` is OpenAI's newer name for `system`.
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -42,9 +50,10 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    cache_salt: str | None = None  # isolates prefix-cache reuse to requests with the same salt
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        if self.logit_bias:
+        if self.logit_bias:  # refused before anything looks at its entries
             raise InvalidParameterError("logit_bias", "is not supported")
         return SamplingParams(
             n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
@@ -108,6 +117,8 @@ class ChatMessage(msgspec.Struct, kw_only=True):
     name: str | None = None
 
     def as_template_input(self, i: int) -> dict[str, Any]:
+        if self.role not in CHAT_ROLES:
+            raise InvalidParameterError(f"messages[{i}].role", f"must be one of {', '.join(CHAT_ROLES)}; got {self.role[:32]!r}")
         content = self.content
         if isinstance(content, list):  # content parts: text only
             texts = []
@@ -116,7 +127,8 @@ class ChatMessage(msgspec.Struct, kw_only=True):
                     raise InvalidParameterError(f"messages[{i}].content", "only text content parts are supported")
                 texts.append(part["text"])
             content = "".join(texts)
-        message = {"role": self.role, "content": content or ""}
+        role = "system" if self.role == "developer" else self.role  # templates know `system`
+        message = {"role": role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
         return message
@@ -142,6 +154,8 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
             raise InvalidParameterError("response_format", "only {'type': 'text'} is supported")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidParameterError("top_logprobs", "needs logprobs: true")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise InvalidParameterError("top_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.top_logprobs}")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling_params(max_tokens, logprobs)

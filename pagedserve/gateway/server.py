@@ -1,4 +1,5 @@
-"""Run the gateway under uvicorn, draining on SIGTERM/SIGINT."""
+"""Run the gateway under uvicorn, draining on SIGTERM/SIGINT, with limits on connections and
+on slow clients (`http_timeouts`)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pagedserve.common.config import EngineConfig, ServeConfig
 from pagedserve.common.model_store import resolve_model
 from pagedserve.gateway.app import create_app
 from pagedserve.gateway.auth import parse_api_keys, parse_tenant_limits
+from pagedserve.gateway.http_timeouts import with_request_timeouts
 from pagedserve.gateway.tokenizer import PromptTokenizer
 
 
@@ -27,7 +29,18 @@ def build_gateway(config: ServeConfig, engine: EngineConfig, redis_url: str):
     names = tuple(dict.fromkeys(n for n in (config.served_model_name, engine.model) if n))
     keys = parse_api_keys(config.api_keys_file, os.environ.get("PAGEDSERVE_API_KEYS"))
     return create_app(config, redis_url, PromptTokenizer(model_dir), names, max_len, keys,
-                      vocab_size=model_config.get("vocab_size"), tenant_limits=parse_tenant_limits(config.api_keys_file))
+                      vocab_size=model_config.get("vocab_size"), max_n=engine.max_n,
+                      tenant_limits=parse_tenant_limits(config.api_keys_file))
+
+
+def uvicorn_config(app, config: ServeConfig) -> uvicorn.Config:
+    """uvicorn for the gateway: at most `max_connections` connections and running requests
+    (a request beyond gets 503), idle keep-alive connections closed after
+    `keep_alive_timeout`, and a request's headers and body bounded in time."""
+    return uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
+                          timeout_graceful_shutdown=int(config.drain_timeout) + 5, access_log=False,
+                          limit_concurrency=config.max_connections, timeout_keep_alive=config.keep_alive_timeout,
+                          http=with_request_timeouts(config.header_timeout, config.body_timeout))
 
 
 class _DrainingServer(uvicorn.Server):
@@ -44,8 +57,7 @@ class _DrainingServer(uvicorn.Server):
 
 def run_gateway(config: ServeConfig, engine: EngineConfig, redis_url: str) -> None:
     app = build_gateway(config, engine, redis_url)
-    uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
-                               timeout_graceful_shutdown=int(config.drain_timeout) + 5, access_log=False)
+    uv_config = uvicorn_config(app, config)
     # uvicorn re-raises the signal that stopped it once it is done: make SIGTERM an exit the
     # caller's cleanup (workers, Redis) still runs after, like Ctrl-C.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)

@@ -127,10 +127,10 @@ async def _until_disconnect(request: Request) -> None:
 
 
 async def serve(state: GatewayState, request: Request, body, prompts: list[list[int]], params: SamplingParams,
-                tenant: str | None, builder: ResponseBuilder, cache_salt: str | None = None) -> Response | Stream:
-    """Admit the prompts, then answer: the whole body, or an SSE stream when `body.stream`.
-    `cache_salt` defaults to the tenant: a tenant's prompts never share KV with another's."""
-    queued = await _admit(state, request, prompts, params, tenant, tenant if cache_salt is None else cache_salt)
+                tenant: str | None, cache_salt: str | None, builder: ResponseBuilder) -> Response | Stream:
+    """Admit the prompts into the tenant's stream, then answer: the whole body, or an SSE
+    stream when `body.stream`. `cache_salt` keeps the KV blocks of different salts apart."""
+    queued = await _admit(state, request, prompts, params, tenant, cache_salt)
     builder.prompt_lengths = [len(p) for p in prompts]
     events = _merged_outputs(state, queued)
 

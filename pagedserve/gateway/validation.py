@@ -1,13 +1,13 @@
 """What a request must pass before anything is queued: the caller's API key, the model name,
-each prompt, and the admission limits (drain, max_tokens). Each check raises the
-`PagedServeError` the client sees."""
+the request's size, each prompt, and the admission limits (drain, max_tokens). Each check
+raises the `PagedServeError` the client sees."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 import msgspec
-from litestar import Request
+from litestar.connection import ASGIConnection
 
 from pagedserve.common.errors import (
     AuthenticationError,
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from pagedserve.gateway.app import GatewayState
 
 
-def authenticate(state: GatewayState, request: Request) -> str | None:
+def authenticate(state: GatewayState, request: ASGIConnection) -> str | None:
     """The caller's tenant (the prefix-cache salt); None when the server has no keys."""
     if not state.api_keys:
         return None
@@ -50,10 +50,16 @@ def check_prompt(state: GatewayState, token_ids: list[int], params: SamplingPara
     check_context(len(token_ids), limit, params.max_tokens)
 
 
-def check_request_size(state: GatewayState, params: SamplingParams, num_prompts: int) -> None:
+def check_request_size(state: GatewayState, params: SamplingParams, num_prompts: int, num_messages: int = 0) -> None:
     """The bounds that keep one request from taking a worker or the gateway, checked before
-    any prompt is tokenized: prompts, prompts × n, stop strings and stop token ids."""
+    any prompt is tokenized: n, prompts, prompts × n, chat messages, stop strings and stop
+    token ids."""
     config = state.config
+    if params.n > state.max_n:
+        raise InvalidParameterError("n", f"must be an integer in [1, {state.max_n}], got {params.n}")
+    if num_messages > config.max_chat_messages:
+        raise InvalidParameterError("messages", f"has {num_messages} messages; this server takes at most "
+                                                f"{config.max_chat_messages}")
     if num_prompts > config.max_prompts_per_request:
         raise InvalidParameterError("prompt", f"has {num_prompts} prompts; this server takes at most "
                                               f"{config.max_prompts_per_request} per request")
@@ -68,6 +74,20 @@ def check_request_size(state: GatewayState, params: SamplingParams, num_prompts:
     if params.stop_token_ids and len(params.stop_token_ids) > config.max_stop_token_ids:
         raise InvalidParameterError("stop_token_ids", f"has {len(params.stop_token_ids)} entries; at most "
                                                       f"{config.max_stop_token_ids}")
+
+
+def prefix_cache_salt(state: GatewayState, tenant: str | None, cache_salt: str | None) -> str | None:
+    """The salt of the request's prefix-cache blocks: the tenant alone when the request gives
+    no `cache_salt` (as before there was one), else both, JSON-encoded so that no pair of
+    (tenant, salt) reads as another; None when there is neither."""
+    if cache_salt is None:
+        return tenant
+    if not cache_salt:
+        raise InvalidParameterError("cache_salt", "must not be empty")
+    limit = state.config.max_cache_salt_length
+    if len(cache_salt) > limit:
+        raise InvalidParameterError("cache_salt", f"has {len(cache_salt)} characters; at most {limit}")
+    return msgspec.json.encode([tenant, cache_salt]).decode()
 
 
 def check_admission(state: GatewayState, prompts: list[list[int]], params: SamplingParams) -> SamplingParams:
