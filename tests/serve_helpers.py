@@ -25,16 +25,19 @@ def free_port() -> int:
 
 
 class LiveServer:
-    def __init__(self, model_dir, redis_url: str, *flags: str):
+    """`redis_url` None: the server starts its own Redis (and `workers()` cannot look).
+    `new_session`: its own process group, as a terminal's job is; `log`: a file for its output."""
+
+    def __init__(self, model_dir, redis_url: str | None, *flags: str, new_session: bool = False, log=None):
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.redis_url = redis_url
         self.model = str(model_dir)
         env = dict(os.environ, PAGEDSERVE_API_KEYS=",".join(f"{k}:{t}" for k, t in API_KEYS.items()))
         args = [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", "--model", self.model, "--port", str(self.port),
-                "--redis-url", redis_url, "--log-level", "warning", *flags]
-        self.process = subprocess.Popen(args, env=env)
-        self.redis = redis.Redis.from_url(redis_url)
+                *(["--redis-url", redis_url] if redis_url else []), "--log-level", "warning", *flags]
+        self.process = subprocess.Popen(args, env=env, start_new_session=new_session, stdout=log, stderr=log)
+        self.redis = redis.Redis.from_url(redis_url) if redis_url else None
 
     def wait_ready(self, timeout: float = 300.0) -> LiveServer:
         deadline = time.monotonic() + timeout
@@ -70,5 +73,6 @@ class LiveServer:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
-        self.redis.close()
+        if self.redis is not None:
+            self.redis.close()
         return self.process.returncode

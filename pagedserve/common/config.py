@@ -84,7 +84,10 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     max_body_bytes: int = 8 * 1024 * 1024  # larger bodies get 413
     request_timeout: float = 600.0  # seconds from admission until a request ends with a timeout
     heartbeat_interval: float = 1.0  # seconds between worker heartbeats
-    worker_timeout: float = 10.0  # a worker silent this long is dead; its requests move
+    # a worker silent this long is dead; its requests move. A worker beats only while its step
+    # loop completes passes, so one engine step must take less than this (a frozen loop stops
+    # beating and its requests move, as after a kill)
+    worker_timeout: float = 10.0
     max_attempts: int = 3  # deliveries of one request before it fails (its workers kept dying)
     drain_timeout: float = 30.0  # on SIGTERM: seconds running requests get to finish
     num_workers: int | None = None  # `serve`: None: one per GPU, or one on CPU
@@ -101,6 +104,9 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     keep_alive_timeout: int = 5  # seconds an idle keep-alive connection stays open
     header_timeout: float = 10.0  # seconds a client has to send a request's headers (slowloris)
     body_timeout: float = 60.0  # seconds a client has to send a request's body, once its headers arrived
+    worker_restart_limit: int = 5  # `serve`: restarts of one worker within worker_restart_window; past it, it stays down
+    worker_restart_window: float = 300.0  # `serve`: seconds over which worker_restart_limit counts restarts
+    worker_restart_backoff_max: float = 30.0  # `serve`: longest wait before a restart (1 s, doubling per recent restart)
 
     def __post_init__(self) -> None:
         for name in ("max_queued_requests", "max_queued_tokens", "max_attempts", "max_body_bytes",
@@ -116,3 +122,8 @@ class ServeConfig(msgspec.Struct, kw_only=True):
                 raise InvalidParameterError(name, "must be > 0 seconds")
         if self.worker_timeout <= 2 * self.heartbeat_interval:
             raise InvalidParameterError("worker_timeout", "must be more than two heartbeat intervals")
+        if self.worker_restart_limit < 0:
+            raise InvalidParameterError("worker_restart_limit", "must be >= 0")
+        for name in ("worker_restart_window", "worker_restart_backoff_max"):
+            if getattr(self, name) <= 0:
+                raise InvalidParameterError(name, "must be > 0 seconds")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from pagedserve.bench.cli import add_bench_parsers
@@ -107,7 +108,13 @@ def _worker(args) -> int:
 
     config, engine = _service_configs(args)
     run_worker(config, engine, _require_redis_url(config))
-    return 0
+    # Drained: exit now. The interpreter's teardown of torch and the model takes seconds on a
+    # busy CPU, and `serve` waits for its workers before it stops Redis; nothing is left to
+    # release that the operating system does not.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _models_pull(args) -> int:

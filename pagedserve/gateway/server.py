@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 import uvicorn
@@ -44,25 +45,31 @@ def uvicorn_config(app, config: ServeConfig) -> uvicorn.Config:
 
 
 class _DrainingServer(uvicorn.Server):
-    """uvicorn stops accepting on a signal; the app also learns it, to end streams in time."""
+    """uvicorn stops accepting on a signal; the app also learns it, to end streams in time,
+    and so does `on_signal` (the launcher, to drain its workers at the same time)."""
 
-    def __init__(self, config: uvicorn.Config, app):
+    def __init__(self, config: uvicorn.Config, app, on_signal: Callable[[int], None] | None = None):
         super().__init__(config)
         self._app = app
+        self._on_signal = on_signal
 
     def handle_exit(self, sig, frame) -> None:
         self._app.state.gateway.begin_drain()
+        if self._on_signal is not None:
+            self._on_signal(sig)
         super().handle_exit(sig, frame)
 
 
-def run_gateway(config: ServeConfig, engine: EngineConfig, redis_url: str) -> None:
+def run_gateway(config: ServeConfig, engine: EngineConfig, redis_url: str,
+                on_signal: Callable[[int], None] | None = None) -> None:
+    """Serve until SIGTERM/SIGINT; `on_signal(signum)` is called in the signal handler for each."""
     app = build_gateway(config, engine, redis_url)
     uv_config = uvicorn_config(app, config)
     # uvicorn re-raises the signal that stopped it once it is done: make SIGTERM an exit the
     # caller's cleanup (workers, Redis) still runs after, like Ctrl-C.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     with contextlib.suppress(KeyboardInterrupt):
-        _DrainingServer(uv_config, app).run()
+        _DrainingServer(uv_config, app, on_signal).run()
 
 
 def _exit_on_sigterm(signum, frame) -> None:

@@ -103,6 +103,7 @@ class QueueConsumer:
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
         self._turn = 0  # the tenant stream the next pull starts from (round-robin)
+        self._beating = True  # False while the step loop is stalled (see start_heartbeat)
 
     # -- reading ------------------------------------------------------------------------------
     def tenant_streams(self) -> list[str]:
@@ -280,14 +281,20 @@ class QueueConsumer:
         """The entries the heartbeat keeps fresh (swapped whole: the thread reads it whole)."""
         self._owned = tuple(entries)
 
-    def start_heartbeat(self, info: Callable[[], WorkerInfo]) -> None:
-        self._heartbeat = threading.Thread(target=self._heartbeat_loop, args=(info,), name="heartbeat", daemon=True)
+    def start_heartbeat(self, info: Callable[[], WorkerInfo], alive: Callable[[], bool] = lambda: True) -> None:
+        """Beat every heartbeat_interval while `alive()` (the worker's step loop is moving): a
+        frozen loop stops beating, and its entries move to other workers after worker_timeout."""
+        self._heartbeat = threading.Thread(target=self._heartbeat_loop, args=(info, alive), name="heartbeat",
+                                           daemon=True)
         self._heartbeat.start()
 
-    def _heartbeat_loop(self, info: Callable[[], WorkerInfo]) -> None:
+    def _heartbeat_loop(self, info: Callable[[], WorkerInfo], alive: Callable[[], bool]) -> None:
         ttl_ms = int(self.config.worker_timeout * 1000)
         marker_ttl = int(self.config.request_timeout) + 60
         while not self._stop.is_set():
+            if not self._loop_alive(alive):
+                self._stop.wait(self.config.heartbeat_interval)
+                continue
             owned = [x for e in self._owned for x in (e.stream, e.entry_id, q.admitted_key(e.request_id))]
             try:
                 lost = self._heartbeat_script(keys=[q.WORKERS, q.worker_key(self.worker_id)],
@@ -299,6 +306,18 @@ class QueueConsumer:
             except redis.RedisError as exc:
                 logger.warning("heartbeat failed: %s", exc)
             self._stop.wait(self.config.heartbeat_interval)
+
+    def _loop_alive(self, alive: Callable[[], bool]) -> bool:
+        """`alive()`, logging each change: a stalled loop is a worker that looks dead."""
+        now_alive = alive()
+        if now_alive != self._beating:
+            if now_alive:
+                logger.warning("worker %s: its step loop moves again; beating again", self.worker_id)
+            else:
+                logger.error("worker %s: its step loop has not completed a pass within %g s; heartbeat paused, "
+                             "its requests move to other workers", self.worker_id, self.config.worker_timeout)
+            self._beating = now_alive
+        return now_alive
 
     def wait(self, seconds: float) -> bool:
         """Sleep, unless stopped; True when stopped."""

@@ -4,10 +4,12 @@ as they are to each request's output stream:
 
     apply cancellations, lost entries, deadlines → take requests → engine.step() → forward
 
-The Redis side (reading, acknowledging, heartbeats, takeover) is the `QueueConsumer`'s.
-A cancelled request is aborted before the next engine step; a request past its deadline
-ends with a timeout error; on SIGTERM the worker takes nothing new, lets running requests
-finish for `drain_timeout` seconds, then ends the rest with an error.
+The Redis side (reading, acknowledging, heartbeats, takeover) is the `QueueConsumer`'s;
+its heartbeat beats only while this loop completes passes, so a frozen loop looks dead
+and its requests move to other workers. A cancelled request is aborted before the next
+engine step; a request past its deadline ends with a timeout error; on SIGTERM the worker
+takes nothing new, lets running requests finish for `drain_timeout` seconds, then ends the
+rest with an error.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 import time
 from dataclasses import dataclass
 
@@ -33,6 +36,10 @@ logger = logging.getLogger(__name__)
 
 #: how long an idle worker blocks on the queue before it looks at everything else again
 _IDLE_BLOCK_MS = 100
+
+#: the environment variable through which `pagedserve serve` gives its workers its pid:
+#: a worker whose launcher is gone drains and exits instead of running on as an orphan
+SUPERVISOR_PID_ENV = "PAGEDSERVE_SUPERVISOR_PID"
 
 
 @dataclass(slots=True)
@@ -55,13 +62,15 @@ class WorkerService:
         self.running: dict[str, _Running] = {}  # by request id
         self._drain_deadline: float | None = None
         self._next_reclaim = 0.0
+        self.last_pass = time.monotonic()  # when the loop last completed a pass (the heartbeat's liveness)
         self.num_cancelled = 0
         self.num_taken_over = 0
 
     # -- lifecycle -------------------------------------------------------------------------
     def run(self) -> None:
         """Serve until drained (SIGTERM/SIGINT, see `drain`)."""
-        self.queue.start_heartbeat(self.info)
+        self.last_pass = time.monotonic()
+        self.queue.start_heartbeat(self.info, self.loop_alive)
         logger.info("worker %s serving %s (max_model_len %d)", self.worker_id, self.engine.config.model,
                     self.engine.max_model_len)
         backoff = 0.1
@@ -85,19 +94,34 @@ class WorkerService:
                 logger.exception("worker loop error; going on")
                 if self.queue.wait(0.5):
                     break
+            self.last_pass = time.monotonic()
         self.queue.stop()
+
+    def loop_alive(self) -> bool:
+        """Whether the loop completed a pass within worker_timeout: the heartbeat beats only then."""
+        return time.monotonic() - self.last_pass < self.config.worker_timeout
 
     def drain(self, *_signal_args) -> None:
         """Take nothing new; running requests get `drain_timeout` seconds to finish."""
         if self._drain_deadline is None:
             logger.info("worker %s draining (%d running)", self.worker_id, len(self.running))
             self._drain_deadline = time.monotonic() + self.config.drain_timeout
-        else:  # a second signal: stop now
+        else:  # called again (a second Ctrl-C): stop now
             self._drain_deadline = 0.0
 
+    @property
+    def draining(self) -> bool:
+        return self._drain_deadline is not None
+
     def install_signal_handlers(self) -> None:
-        signal.signal(signal.SIGTERM, self.drain)
-        signal.signal(signal.SIGINT, self.drain)
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        """The first signal drains; a second SIGINT (Ctrl-C again) stops now. A repeated SIGTERM
+        changes nothing: a launcher and a service manager may both send one for the same stop."""
+        if not self.draining or signum == signal.SIGINT:
+            self.drain()
 
     # -- one pass of the loop ---------------------------------------------------------------
     def _iteration(self) -> bool:
@@ -265,7 +289,25 @@ def _timeout_error(config: ServeConfig) -> WireError:
 
 def run_worker(config: ServeConfig, engine_config: EngineConfig, redis_url: str) -> None:
     """A worker process: load the engine, then serve the queue until drained."""
-    engine = Engine(engine_config)
+    try:
+        engine = Engine(engine_config)
+    except KeyboardInterrupt:  # stopped while loading: nothing to drain
+        logger.info("worker interrupted while loading %s", engine_config.model)
+        return
     service = WorkerService(engine, config, redis_url)
     service.install_signal_handlers()
+    if supervisor := os.environ.get(SUPERVISOR_PID_ENV):
+        _drain_when_orphaned(service, int(supervisor))
     service.run()
+
+
+def _drain_when_orphaned(service: WorkerService, supervisor_pid: int, interval: float = 1.0) -> None:
+    """Drain once the launcher that started this worker is gone (killed without its cleanup)."""
+    def watch() -> None:
+        while os.getppid() == supervisor_pid:
+            time.sleep(interval)
+        if not service.draining:
+            logger.warning("worker %s: its launcher (pid %d) is gone; draining", service.worker_id, supervisor_pid)
+            service.drain()
+
+    threading.Thread(target=watch, name="supervisor-watch", daemon=True).start()

@@ -345,7 +345,8 @@ def test_kill_9_worker_mid_stream(server, llm):
     assert text == expected
     survivors = server.wait_for(lambda: [w for w in server.workers() if w.pid != victim.pid and w.num_running == 0],
                                 what="the surviving worker idle")
-    assert survivors[0].num_taken_over == 1
+    # the survivor took it over (the launcher also starts a worker in place of the victim)
+    assert sum(w.num_taken_over for w in survivors) == 1
     assert server.redis.xlen(STREAM) == 0
 
 

@@ -1,13 +1,18 @@
-"""The worker process's loop, in-process: it drains and exits with Redis gone."""
+"""The worker process's loop, in-process: it drains and exits with Redis gone; a worker whose
+step loop hangs stops beating and its request moves to another worker."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
-from pagedserve import LLM
+from pagedserve import LLM, SamplingParams
+from pagedserve.common import queue_protocol as q
 from pagedserve.common.config import ServeConfig
+from pagedserve.common.queue_protocol import OutputLog, QueuedRequest
 from pagedserve.entrypoints.redis_server import EmbeddedRedis
+from pagedserve.gateway.queue_client import QueueClient
 from pagedserve.worker.service import WorkerService
 
 
@@ -31,3 +36,98 @@ def test_a_worker_drains_and_exits_when_redis_is_gone(tiny_checkpoint):
     thread.join(timeout=1.0 + 5)
     assert not thread.is_alive(), "the worker kept retrying Redis instead of draining"
     assert time.monotonic() - started < 6
+
+
+def _wait(predicate, what: str, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+    return value
+
+
+def _read_request(redis_url: str, config: ServeConfig, request: QueuedRequest) -> tuple[str, OutputLog]:
+    """Admit the request the way the gateway does, and read its outputs to the end."""
+    async def run() -> tuple[str, OutputLog]:
+        client = QueueClient(redis_url, config)
+        try:
+            await client.submit(request)
+            text, final = "", OutputLog(1)
+            async for deltas, log in client.outputs(request.request_id, 1, request.deadline):
+                text, final = text + "".join(d.text for d in deltas), log
+            return text, final
+        finally:
+            await client.close()
+
+    return asyncio.run(run())
+
+
+def test_a_frozen_step_loop_stops_beating_and_its_request_moves(tiny_checkpoint, monkeypatch):
+    """A worker whose engine step hangs looks dead: its heartbeat stops, the other worker takes
+    the request over and finishes it exactly, and the frozen one drops it when it wakes."""
+    path = str(tiny_checkpoint("llama-gqa"))
+    llms = [LLM(path, kv_cache_memory=1 << 22, attention_backend="torch") for _ in range(2)]
+    prompt, max_tokens = [5, 17, 33, 101, 7], 100
+    expected = llms[0].generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    config = ServeConfig(heartbeat_interval=0.2, worker_timeout=1.0, drain_timeout=1.0)
+    redis_server = EmbeddedRedis().start()
+    services = [WorkerService(llm.engine, config, redis_server.url) for llm in llms]
+    frozen: list[WorkerService] = []  # the first worker to run the request, once it hangs
+    wake = threading.Event()
+    lock = threading.Lock()
+
+    def slow_and_freezing(service: WorkerService):
+        step, steps = service.engine.step, [0]
+
+        def wrapped():
+            if service.running:
+                steps[0] += 1
+                time.sleep(0.03)  # slow enough that the takeover happens long before the end
+                with lock:
+                    freeze = steps[0] == 4 and not frozen
+                    if freeze:
+                        frozen.append(service)
+                if freeze:
+                    wake.wait()
+            return step()
+        return wrapped
+
+    for service in services:
+        monkeypatch.setattr(service.engine, "step", slow_and_freezing(service))
+    threads = [threading.Thread(target=s.run, daemon=True) for s in services]
+    for t in threads:
+        t.start()
+    result: dict[str, tuple[str, OutputLog]] = {}
+    request = QueuedRequest(request_id="frozen-1", prompt_token_ids=prompt, deadline=time.time() + 120,
+                            params=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    reader = threading.Thread(target=lambda: result.setdefault("out", _read_request(redis_server.url, config, request)),
+                              daemon=True)
+    try:
+        _wait(lambda: all(s.queue.redis.zscore(q.WORKERS, s.worker_id) for s in services), "both workers beating")
+        reader.start()
+        hung = _wait(lambda: frozen, "a worker hanging in its step")[0]
+        other = services[1 - services.index(hung)]
+        _wait(lambda: other.num_taken_over == 1, "the other worker taking the request over")
+        # The hung worker stopped beating: out of the live set, its info expired.
+        assert not hung.loop_alive()
+        assert hung.queue.redis.zscore(q.WORKERS, hung.worker_id) < time.time()
+        assert not hung.queue.redis.exists(q.worker_key(hung.worker_id))
+        assert "frozen-1" in other.running
+        wake.set()
+        # It wakes, learns from its heartbeat that the request is another's, and drops it.
+        _wait(lambda: not hung.running and not hung.engine.has_unfinished_requests(), "the woken worker dropping it")
+        assert "frozen-1" in other.running  # dropped, not finished: the other still runs it
+        reader.join(timeout=60)
+        text, log = result["out"]
+        assert text == expected[0].outputs[0].text
+        assert log.completions[0].token_ids == expected[0].outputs[0].token_ids
+        assert (log.completions[0].finish_reason, log.error) == ("length", None)
+        assert (hung.num_taken_over, other.num_taken_over) == (0, 1)
+    finally:
+        wake.set()
+        for s in services:
+            s.drain()
+        for t in threads:
+            t.join(timeout=10)
+        redis_server.stop()
+    assert not any(t.is_alive() for t in threads)
