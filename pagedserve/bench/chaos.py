@@ -464,7 +464,10 @@ class ChaosRun:
                 return outcome
             self.tally.retried[outcome.detail] += 1
             if time.monotonic() + outcome.retry_after >= self.stop_at:
-                return Outcome(ERROR, f"http_{outcome.detail}_at_end")  # the run is over: it stays refused
+                # The run ends before the next try: refused for good, at the end (not earlier,
+                # or the client would send a new request in the time left).
+                await asyncio.sleep(max(0.0, self.stop_at - time.monotonic()))
+                return Outcome(ERROR, f"http_{outcome.detail}_at_end")
             self.tally.retry_wait_s += outcome.retry_after
             await asyncio.sleep(outcome.retry_after)
 
