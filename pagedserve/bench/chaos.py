@@ -188,16 +188,19 @@ class Tally:
     retry_wait_s: float = 0.0  # Retry-After seconds slept, over all clients
     e2e_s: list[float] = field(default_factory=list)  # send to [DONE] of completed requests, retries included
     mismatches: list[dict] = field(default_factory=list)  # the first few streams unlike their reference
+    losses: list[dict] = field(default_factory=list)  # the first few lost requests, to set beside the chaos events
 
-    def record(self, outcome: Outcome, reference: Reference, prompt_index: int, e2e: float) -> None:
+    def record(self, outcome: Outcome, reference: Reference, prompt_index: int, sent_s: float, ended_s: float) -> None:
+        """File one request's outcome; `sent_s` and `ended_s` are seconds since the load began."""
+        when = {"prompt": prompt_index, "sent_s": round(sent_s, 2), "ended_s": round(ended_s, 2)}
         if outcome.kind == COMPLETED:
             assert outcome.reading is not None
             verdict = compare(outcome.reading, reference)
             self.completed[verdict] += 1
-            self.e2e_s.append(e2e)
-            if verdict != EXACT and len(self.mismatches) < 5:
+            self.e2e_s.append(ended_s - sent_s)
+            if verdict != EXACT and len(self.mismatches) < 10:
                 self.mismatches.append({
-                    "prompt": prompt_index, "verdict": verdict, "tokens": len(outcome.reading.tokens),
+                    **when, "verdict": verdict, "tokens": len(outcome.reading.tokens),
                     "reference_tokens": len(reference.tokens), "finish_reason": outcome.reading.finish_reason,
                     "usage": outcome.reading.usage, "text": outcome.reading.text[:200],
                     "reference_text": reference.text[:200]})
@@ -206,6 +209,9 @@ class Tally:
         else:
             assert outcome.kind == LOST, outcome.kind
             self.lost[outcome.detail] += 1
+            if len(self.losses) < 50:
+                tokens = len(outcome.reading.tokens) if outcome.reading is not None else 0
+                self.losses.append({**when, "reason": outcome.detail, "tokens": tokens})
 
     @property
     def ended(self) -> int:
@@ -228,6 +234,7 @@ class Tally:
             "retry_wait_s": round(self.retry_wait_s, 1),
             "e2e": {k: None if math.isnan(v) else round(v, 1) for k, v in latency_stats(self.e2e_s).items()},
             "mismatches": self.mismatches,
+            "losses": self.losses,
         }
 
 
@@ -475,17 +482,21 @@ class ChaosRun:
         """One request, from sent to its one outcome in the tally."""
         self.tally.sent += 1
         self.in_flight += 1
-        sent_at = time.monotonic()
+        sent_s = time.monotonic() - self.start
+
+        def file(outcome: Outcome) -> None:
+            self.tally.record(outcome, self.references[prompt_index], prompt_index, sent_s, time.monotonic() - self.start)
+
         try:
             outcome = await self.until_answered(http, prompt_index)
         except asyncio.CancelledError:  # still open when the grace period ran out
-            self.tally.lost["open_at_end"] += 1
+            file(Outcome(LOST, "open_at_end"))
             raise
         except Exception as exc:  # noqa: BLE001 - a fault of this client is filed and shown, not fatal
             outcome = Outcome(LOST, f"client_{type(exc).__name__}")
         finally:
             self.in_flight -= 1
-        self.tally.record(outcome, self.references[prompt_index], prompt_index, time.monotonic() - sent_at)
+        file(outcome)
         if outcome.detail == "connect_error":
             await asyncio.sleep(1.0)  # the gateway is down: no tight loop of refused connections
 
@@ -667,6 +678,9 @@ def format_report(f: dict[str, Any]) -> str:
                      f"{s['in_flight']} | {s['sent']} | {s['completed']}")
     for m in f["mismatches"]:
         lines.append(f"mismatch: {m}")
+    if f["losses"]:
+        lines.append("lost (sent at / ended at, seconds): " + ", ".join(
+            f"{x['sent_s']:g}/{x['ended_s']:g} {x['reason']} after {x['tokens']} tokens" for x in f["losses"][:20]))
     lines.append("targets " + ("met" if f["targets_met"] else "NOT met") + ": 0 lost, 0 streams unlike the reference")
     return "\n".join(lines)
 

@@ -108,19 +108,21 @@ def test_retry_after():
 
 def test_tally_files_each_request_once():
     tally = Tally(sent=6)
-    tally.record(Outcome(COMPLETED, reading=read_stream(_stream(["a", "b", "c"]))), REFERENCE, 0, 0.5)
-    tally.record(Outcome(COMPLETED, reading=read_stream(_stream(["a", "a", "b", "c"]))), REFERENCE, 1, 0.7)
-    tally.record(Outcome(ERROR, "event_worker_lost"), REFERENCE, 2, 0.1)
-    tally.record(Outcome(ERROR, "http_500"), REFERENCE, 3, 0.1)
-    tally.record(Outcome(LOST, "cut_before_done"), REFERENCE, 4, 0.1)
+    tally.record(Outcome(COMPLETED, reading=read_stream(_stream(["a", "b", "c"]))), REFERENCE, 0, 1.0, 1.5)
+    tally.record(Outcome(COMPLETED, reading=read_stream(_stream(["a", "a", "b", "c"]))), REFERENCE, 1, 2.0, 2.7)
+    tally.record(Outcome(ERROR, "event_worker_lost"), REFERENCE, 2, 3.0, 3.1)
+    tally.record(Outcome(ERROR, "http_500"), REFERENCE, 3, 3.0, 3.1)
+    tally.record(Outcome(LOST, "cut_before_done", read_stream([_chunk("a"), ""])), REFERENCE, 4, 4.0, 4.5)
     f = tally.figures()
     assert (f["completed"], f["visible_errors"], f["lost"]) == (2, 2, 1)
     assert not f["balanced"]  # one request is still open
-    tally.record(Outcome(LOST, "silent_10s"), REFERENCE, 5, 10.0)
+    tally.record(Outcome(LOST, "silent_10s"), REFERENCE, 5, 5.0, 15.0)
     f = tally.figures()
     assert f["balanced"] and f["lost_by_reason"] == {"cut_before_done": 1, "silent_10s": 1}
     assert f["streams"] == {EXACT: 1, DUPLICATED: 1, MISSING: 0, DIFFERENT: 0} and f["bad_streams"] == 1
-    assert [m["verdict"] for m in f["mismatches"]] == [DUPLICATED]
+    assert [(m["verdict"], m["sent_s"], m["tokens"]) for m in f["mismatches"]] == [(DUPLICATED, 2.0, 4)]
+    assert f["losses"] == [{"prompt": 4, "sent_s": 4.0, "ended_s": 4.5, "reason": "cut_before_done", "tokens": 1},
+                           {"prompt": 5, "sent_s": 5.0, "ended_s": 15.0, "reason": "silent_10s", "tokens": 0}]
     assert f["e2e"]["mean_ms"] == pytest.approx(600)
 
 
@@ -152,6 +154,7 @@ def test_a_short_chaos_run_accounts_for_every_request(tiny_checkpoint, tmp_path,
     assert sum(f["streams"].values()) == f["completed"]
     assert sum(f["errors_by_kind"].values()) == f["visible_errors"]
     assert sum(f["lost_by_reason"].values()) == f["lost"]
+    assert len(f["losses"]) == min(f["lost"], 50)
     assert f["bad_streams"] == f["completed"] - f["streams"][EXACT]
     # the chaos happened when asked: kills at 6 and 12 s, Redis down at 9 s and up again
     attempts = [e for e in f["events"] if e["event"] in ("kill", "kill_skipped")]
