@@ -1,10 +1,12 @@
-"""The `pagedserve bench offline|serve` subcommands, hooked into the `pagedserve` parser by
-`add_bench_parsers`. The runners import lazily, so `pagedserve --help` loads no torch."""
+"""The `pagedserve bench offline|serve|chaos` subcommands, hooked into the `pagedserve` parser by
+`add_bench_parsers`. The runners import lazily, so `pagedserve --help` loads no torch (the
+chaos module imports only the standard library until it runs)."""
 
 from __future__ import annotations
 
 import argparse
 
+from pagedserve.bench import chaos as chaos_bench
 from pagedserve.bench.workloads import OFFLINE_WORKLOADS, SERVE_WORKLOADS
 from pagedserve.common.config import DEFAULT_MODEL
 
@@ -22,7 +24,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
 
 
 def add_bench_parsers(sub: argparse._SubParsersAction) -> None:
-    """Add `bench` with its `offline` and `serve` subcommands to the top-level subparsers."""
+    """Add `bench` with its `offline`, `serve` and `chaos` subcommands to the top-level subparsers."""
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
     offline = bench.add_parser("offline", help="in-process throughput on the reference workloads")
     offline.add_argument("--workload", default="fixed", choices=list(OFFLINE_WORKLOADS))
@@ -55,3 +57,7 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:
     online.add_argument("--json", action="store_true")
     online.add_argument("--plot", default=None, metavar="FILE.png", help="throughput-latency curve and percentiles")
     online.set_defaults(func=_bench_serve)
+
+    chaos = bench.add_parser("chaos", help="streaming load on `pagedserve serve` while workers are killed and Redis restarts")
+    chaos_bench.add_arguments(chaos)
+    chaos.set_defaults(func=chaos_bench.run)
