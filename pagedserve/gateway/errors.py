@@ -28,7 +28,9 @@ def error_response(status: int, message: str, type_: str, code: str | None = Non
 
 
 def wire_error_response(e: WireError) -> Response:
-    return error_response(e.status_code, e.message, e.type, e.code, e.param)
+    """A worker's or the queue's error; a 429 or 503 tells the client when to retry."""
+    headers = {"Retry-After": "1"} if e.status_code in (429, 503) else None
+    return error_response(e.status_code, e.message, e.type, e.code, e.param, headers)
 
 
 # -- exception handlers (create_app maps exception types to them) ---------------------------

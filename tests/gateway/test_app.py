@@ -402,3 +402,4 @@ def test_a_request_lost_by_redis_fails_fast_with_503(redis_server, redis_client,
     assert not waiting.is_alive() and time.monotonic() - started < 30  # not the 60 s request timeout
     # streamed or not, nothing had been sent yet: the error keeps its HTTP status
     assert answers[0].status_code == 503 and answers[0].json()["error"]["code"] == "request_lost"
+    assert answers[0].headers["retry-after"] == "1"
