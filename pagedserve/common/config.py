@@ -89,6 +89,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     drain_timeout: float = 30.0  # on SIGTERM: seconds running requests get to finish
     num_workers: int | None = None  # `serve`: None: one per GPU, or one on CPU
     log_level: str = "info"
+    redis_maxmemory: int = 1 << 30  # bytes the Redis `serve` starts may hold; beyond them writes fail (noeviction), nothing is evicted
 
     def __post_init__(self) -> None:
         for name in ("max_queued_requests", "max_queued_tokens", "max_attempts", "max_body_bytes",
@@ -101,3 +102,5 @@ class ServeConfig(msgspec.Struct, kw_only=True):
                 raise InvalidParameterError(name, "must be > 0 seconds")
         if self.worker_timeout <= 2 * self.heartbeat_interval:
             raise InvalidParameterError("worker_timeout", "must be more than two heartbeat intervals")
+        if self.redis_maxmemory < 1:
+            raise InvalidParameterError("redis_maxmemory", "must be >= 1 byte")
