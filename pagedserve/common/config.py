@@ -107,6 +107,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     worker_restart_limit: int = 5  # `serve`: restarts of one worker within worker_restart_window; past it, it stays down
     worker_restart_window: float = 300.0  # `serve`: seconds over which worker_restart_limit counts restarts
     worker_restart_backoff_max: float = 30.0  # `serve`: longest wait before a restart (1 s, doubling per recent restart)
+    redis_maxmemory: int = 1 << 30  # bytes the Redis `serve` starts may hold; beyond them writes fail (noeviction), nothing is evicted
 
     def __post_init__(self) -> None:
         for name in ("max_queued_requests", "max_queued_tokens", "max_attempts", "max_body_bytes",
@@ -127,3 +128,5 @@ class ServeConfig(msgspec.Struct, kw_only=True):
         for name in ("worker_restart_window", "worker_restart_backoff_max"):
             if getattr(self, name) <= 0:
                 raise InvalidParameterError(name, "must be > 0 seconds")
+        if self.redis_maxmemory < 1:
+            raise InvalidParameterError("redis_maxmemory", "must be >= 1 byte")

@@ -48,8 +48,9 @@ return {1, redis.call('XADD', KEYS[1], '*', 'm', ARGV[4], 't', ARGV[3])}
 
 #: A worker took requests: count them out of the queue. KEYS: queued, queued_tokens, tenant
 #: tokens hash. ARGV: number of requests, their prompt tokens, then pairs (tenant stream,
-#: its prompt tokens taken). Never below zero (a Redis restart resets the counters).
-TAKEN = """
+#: its prompt tokens taken). Never below zero (a Redis restart resets the counters). Allowed
+#: when Redis is full (it frees memory): the entries are read already and must be counted.
+TAKEN = """#!lua flags=allow-oom
 for i = 1, 2 do
   local v = redis.call('DECRBY', KEYS[i], ARGV[i])
   if v < 0 then redis.call('SET', KEYS[i], 0) end

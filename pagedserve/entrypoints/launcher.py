@@ -23,7 +23,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.parse
 from collections import deque
 from dataclasses import dataclass
 
@@ -34,7 +33,7 @@ from pagedserve.common import options
 from pagedserve.common import queue_protocol as q
 from pagedserve.common.config import EngineConfig, ServeConfig
 from pagedserve.common.model_store import resolve_model
-from pagedserve.entrypoints.redis_server import EmbeddedRedis
+from pagedserve.entrypoints.redis_server import EmbeddedRedis, redact_url
 
 logger = logging.getLogger(__name__)
 
@@ -51,22 +50,6 @@ _REDIS_URL_ENV = "PAGEDSERVE_REDIS_URL"
 _SUPERVISOR_PID_ENV = "PAGEDSERVE_SUPERVISOR_PID"
 #: environment a worker has no use for: the gateway's API keys
 _GATEWAY_ONLY_ENV = ("PAGEDSERVE_API_KEYS",)
-
-
-def redact_url(url: str) -> str:
-    """The URL with its password (in the user part or a `password=` query field) replaced by
-    `***`, for logs and messages."""
-    try:
-        parts = urllib.parse.urlsplit(url)
-        netloc = parts.netloc
-        if parts.password is not None:
-            userinfo, _, hostport = netloc.rpartition("@")
-            netloc = f"{userinfo.split(':', 1)[0]}:***@{hostport}"
-        query = "&".join(f"{name}=***" if name.lower() == "password" else f"{name}={value}"
-                         for name, _, value in (pair.partition("=") for pair in parts.query.split("&") if pair))
-        return urllib.parse.urlunsplit(parts._replace(netloc=netloc, query=query))
-    except ValueError:
-        return "<a redis url that does not parse>"
 
 
 def exit_reason(returncode: int) -> str:
@@ -344,7 +327,7 @@ def serve(config: ServeConfig, engine: EngineConfig) -> int:
     try:
         redis_url = config.redis_url
         if redis_url is None:
-            embedded = EmbeddedRedis()
+            embedded = EmbeddedRedis(maxmemory=config.redis_maxmemory)
             redis_url = embedded.start().url
             logger.info("started redis-server at %s", redact_url(redis_url))
         if stops.received:

@@ -13,6 +13,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import OutOfMemoryError as RedisOutOfMemoryError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -97,6 +98,10 @@ class QueueClient:
             admitted, detail = await self._admit(keys=keys, args=args)
         except (RedisConnectionError, RedisTimeoutError) as exc:
             raise ServiceUnavailableError(f"the queue is unreachable: {exc}") from None
+        except RedisOutOfMemoryError:
+            # Redis is at its maxmemory (noeviction) and refused the script before it wrote
+            # anything: nothing was admitted, and a retry may fit.
+            raise ServiceUnavailableError("the queue is out of memory (Redis maxmemory); retry later") from None
         if admitted:
             return
         if detail == b"no_worker":

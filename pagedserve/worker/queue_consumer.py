@@ -256,25 +256,37 @@ class QueueConsumer:
         self._acks.append((stream, entry_id))
 
     def flush(self) -> None:
-        """Write queued chunks and acks in one round trip; kept for a retry if Redis is away."""
-        if not self._outbox and not self._acks:
-            return
-        pipe = self.redis.pipeline(transaction=False)
-        for key, data in self._outbox:
-            if data:
-                pipe.xadd(key, {q.CHUNK_FIELD: data})
-                pipe.expire(key, q.OUTPUT_TTL)
-            else:
-                pipe.delete(key)
-        for stream, entry_id in self._acks:
-            self._ack_if_owner(keys=[stream], args=[q.GROUP, self.worker_id, entry_id], client=pipe)
-        results = pipe.execute(raise_on_error=False)  # connection errors raise: all is kept
-        self._outbox.clear()
-        self._acks.clear()
-        for result in results:
-            # After a Redis restart the group is gone and acks fail: nothing is left to ack.
-            if isinstance(result, Exception) and "NOGROUP" not in str(result):
-                logger.error("redis write failed: %s", result)
+        """Write queued chunks, then acks. Everything is kept for a retry while Redis is away
+        (connection errors raise) or full (its OOM error is raised): an entry is never
+        acknowledged before its final chunk is written."""
+        if self._outbox:
+            pipe = self.redis.pipeline(transaction=False)
+            for key, data in self._outbox:
+                if data:
+                    pipe.xadd(key, {q.CHUNK_FIELD: data})
+                    pipe.expire(key, q.OUTPUT_TTL)
+                else:
+                    pipe.delete(key)
+            results = pipe.execute(raise_on_error=False)
+            full = [r for r in results if isinstance(r, redis.exceptions.OutOfMemoryError)]
+            if full:
+                # All chunks are written again: the readers' OutputLog takes a delta only
+                # where its completion stands, so a chunk written twice counts once.
+                raise full[0]
+            self._outbox.clear()
+            for result in results:
+                if isinstance(result, Exception):
+                    logger.error("redis write failed: %s", result)
+        if self._acks:
+            pipe = self.redis.pipeline(transaction=False)
+            for stream, entry_id in self._acks:
+                self._ack_if_owner(keys=[stream], args=[q.GROUP, self.worker_id, entry_id], client=pipe)
+            results = pipe.execute(raise_on_error=False)
+            self._acks.clear()
+            for result in results:
+                # After a Redis restart the group is gone and acks fail: nothing is left to ack.
+                if isinstance(result, Exception) and "NOGROUP" not in str(result):
+                    logger.error("redis ack failed: %s", result)
 
     # -- heartbeat ----------------------------------------------------------------------------
     def set_owned(self, entries: Iterable[OwnedEntry]) -> None:

@@ -79,7 +79,7 @@ class WorkerService:
                 if not self._iteration():
                     break
                 backoff = 0.1
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
+            except (redis.ConnectionError, redis.TimeoutError, redis.exceptions.OutOfMemoryError) as exc:
                 if self._drain_deadline is not None and (not self.running or time.monotonic() >= self._drain_deadline):
                     # Draining must end even without Redis (it may have stopped first).
                     logger.warning("worker %s drained with redis unreachable; %d request(s) end unreported",
