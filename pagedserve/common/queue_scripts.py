@@ -82,8 +82,9 @@ return 1
 #: Entries another worker has taken are returned, as (stream, entry id) pairs flattened:
 #: the caller aborts them.
 #: KEYS: workers, worker info key. ARGV: group, consumer, ttl in milliseconds, info, marker
-#: ttl in seconds, then triples (tenant stream, entry id, admitted marker key).
-HEARTBEAT = """
+#: ttl in seconds, then triples (tenant stream, entry id, admitted marker key). Allowed when
+#: Redis is full: its writes are small and bounded, and without it every worker looks dead.
+HEARTBEAT = """#!lua flags=allow-oom
 local now = redis.call('TIME')
 local t = tonumber(now[1]) + tonumber(now[2]) / 1e6
 local ttl_ms = tonumber(ARGV[3])

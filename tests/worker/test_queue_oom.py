@@ -16,6 +16,7 @@ from pagedserve.common.queue_protocol import (
     CompletionDelta,
     OutputLog,
     QueuedRequest,
+    WorkerInfo,
     decode_chunk,
     encode,
 )
@@ -86,3 +87,20 @@ def test_what_a_pull_takes_under_oom_is_served_and_counted_out(full_redis):
     taken += consumer.pull(1, None)  # if not taken under OOM, then now
     assert [t.request.request_id for t in taken] == ["r1"]
     assert int(client.get(q.QUEUED)) == 0 and int(client.get(q.QUEUED_TOKENS)) == 0
+
+
+def test_a_full_redis_still_takes_the_heartbeat(full_redis):
+    """Otherwise every worker would look dead and their requests would move between them."""
+    server, client, set_full = full_redis
+    consumer = QueueConsumer(server.url, ServeConfig(heartbeat_interval=0.1, worker_timeout=1.0), worker_id="w1")
+    set_full(True)
+    consumer.start_heartbeat(lambda: WorkerInfo(worker_id="w1", model="m", max_model_len=64, pid=1, host="h",
+                                                max_num_seqs=1))
+    try:
+        deadline = time.monotonic() + 10
+        while client.zscore(q.WORKERS, "w1") is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert client.zscore(q.WORKERS, "w1") is not None and client.exists(q.worker_key("w1"))
+    finally:
+        consumer.stop()
+        set_full(False)
