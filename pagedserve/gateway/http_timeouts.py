@@ -6,7 +6,9 @@ socket and a place under `--max-connections`. `TimedH11Protocol` is uvicorn's h1
 with two deadlines per request: its headers must arrive within `--header-timeout` of the
 connection opening (or of the request's first byte, on a kept-alive connection), and its
 body within `--body-timeout` of the headers. A request past either gets a 408 when nothing
-was answered yet, and its connection is closed.
+was answered yet, and its connection is closed. It also bounds the open connections: a
+request on a connection beyond `--max-connections` gets a 503 in OpenAI's shape (uvicorn's
+own limit answers in plain text).
 """
 
 from __future__ import annotations
@@ -26,15 +28,26 @@ class TimedH11Protocol(H11Protocol):
 
     header_timeout: float = 10.0  # set by `with_request_timeouts`
     body_timeout: float = 60.0
+    max_connections: int | None = None  # beyond it, a connection's request gets a 503
+
+    _over_limit = False  # this connection came beyond max_connections
 
     _deadline: asyncio.TimerHandle | None = None
     _waiting_for: str | None = None  # "headers" or "body": what the deadline is for
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
+        self._over_limit = self.max_connections is not None and len(self.connections) > self.max_connections
         self._expect("headers")
 
     def data_received(self, data: bytes) -> None:
+        if self._over_limit:  # answered once its first bytes are read, so closing resets nothing
+            if not self.transport.is_closing():
+                self.transport.write(_error_response(
+                    503, "Service Unavailable", f"the server holds {self.max_connections} connections, its limit; retry later",
+                    "server_error", "too_many_connections", retry_after=True))
+                self.transport.close()
+            return
         if self._waiting_for is None and self.conn.their_state is h11.IDLE:
             self._expect("headers")  # the first bytes of the next request on a kept-alive connection
         super().data_received(data)
@@ -68,21 +81,24 @@ class TimedH11Protocol(H11Protocol):
         logger.debug("closing a connection from %s: the request %s did not arrive within %g s", self.client, part, timeout)
         cycle = self.cycle if self.cycle is not None and not self.cycle.response_complete else None
         if cycle is None or not cycle.response_started:
-            self.transport.write(_timeout_response(f"the request {part} did not arrive within {timeout:g} s"))
+            self.transport.write(_error_response(408, "Request Timeout", f"the request {part} did not arrive within "
+                                                 f"{timeout:g} s", "invalid_request_error", "request_timeout"))
         if cycle is not None:  # the app, waiting for the body, reads a disconnect and answers no one
             cycle.disconnected = True
             cycle.message_event.set()
         self.transport.close()
 
 
-def _timeout_response(message: str) -> bytes:
-    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                 "code": "request_timeout"}}).encode()
-    head = ("HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
-            f"content-length: {len(body)}\r\n\r\n")
+def _error_response(status: int, reason: str, message: str, type_: str, code: str, retry_after: bool = False) -> bytes:
+    """A whole HTTP/1.1 response with an OpenAI-shaped error body, closing the connection."""
+    body = json.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}}).encode()
+    head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\nconnection: close\r\n"
+            + ("retry-after: 1\r\n" if retry_after else "") + f"content-length: {len(body)}\r\n\r\n")
     return head.encode() + body
 
 
-def with_request_timeouts(header_timeout: float, body_timeout: float) -> type[TimedH11Protocol]:
-    """The protocol class for uvicorn's `http=`, with these deadlines."""
-    return type("TimedH11Protocol", (TimedH11Protocol,), {"header_timeout": header_timeout, "body_timeout": body_timeout})
+def with_request_timeouts(header_timeout: float, body_timeout: float,
+                          max_connections: int | None = None) -> type[TimedH11Protocol]:
+    """The protocol class for uvicorn's `http=`, with these deadlines and connection limit."""
+    return type("TimedH11Protocol", (TimedH11Protocol,), {"header_timeout": header_timeout, "body_timeout": body_timeout,
+                                                          "max_connections": max_connections})

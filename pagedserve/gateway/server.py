@@ -35,13 +35,13 @@ def build_gateway(config: ServeConfig, engine: EngineConfig, redis_url: str):
 
 
 def uvicorn_config(app, config: ServeConfig) -> uvicorn.Config:
-    """uvicorn for the gateway: at most `max_connections` connections and running requests
-    (a request beyond gets 503), idle keep-alive connections closed after
+    """uvicorn for the gateway: at most `max_connections` connections (a request on one
+    beyond gets an OpenAI-shaped 503), idle keep-alive connections closed after
     `keep_alive_timeout`, and a request's headers and body bounded in time."""
     return uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                           timeout_graceful_shutdown=int(config.drain_timeout) + 5, access_log=False,
-                          limit_concurrency=config.max_connections, timeout_keep_alive=config.keep_alive_timeout,
-                          http=with_request_timeouts(config.header_timeout, config.body_timeout))
+                          timeout_keep_alive=config.keep_alive_timeout,
+                          http=with_request_timeouts(config.header_timeout, config.body_timeout, config.max_connections))
 
 
 class _DrainingServer(uvicorn.Server):

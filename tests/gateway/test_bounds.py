@@ -397,7 +397,11 @@ def test_keep_alive_and_connection_limit(tokenizer_dir):
         try:
             with _connect(port) as sock:
                 sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
-                assert _status(sock.recv(65536)) == 503  # beyond max_connections
+                refused = _read_until_closed(sock)
+                assert _status(refused) == 503 and b"retry-after: 1" in refused  # beyond max_connections
+                body = json.loads(refused.split(b"\r\n\r\n", 1)[1])
+                assert body["error"]["code"] == "too_many_connections" and set(body["error"]) == {
+                    "message", "type", "param", "code"}
         finally:
             for sock in idle:
                 sock.close()
