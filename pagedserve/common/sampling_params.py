@@ -55,15 +55,14 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         check(is_int(self.n) and 1 <= self.n <= max_n, "n", f"must be an integer in [1, {max_n}], got {self.n!r}")
         check(is_num(self.temperature) and self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature!r}")
         check(is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p!r}")
-        check(is_int(self.top_k) and -1 <= self.top_k < 2**63, "top_k", f"must be -1, 0 or positive (below 2**63), got {self.top_k!r}")
+        check(is_int(self.top_k) and (self.top_k >= 0 or self.top_k == -1), "top_k", f"must be -1, 0 or positive, got {self.top_k!r}")
         check(is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p!r}")
         check(is_num(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty", f"must be > 0, got {self.repetition_penalty!r}")
         check(is_num(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty", f"must be in [-2, 2], got {self.presence_penalty!r}")
         check(is_num(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty!r}")
-        check(self.seed is None or (is_int(self.seed) and -2**63 <= self.seed < 2**64), "seed",
-              f"must be an integer in [-2**63, 2**64), got {self.seed!r}")
+        check(self.seed is None or is_int(self.seed), "seed", f"must be an integer, got {self.seed!r}")
         check(self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
-        check(is_int(self.min_tokens) and 0 <= self.min_tokens < 2**63, "min_tokens", f"must be an integer in [0, 2**63), got {self.min_tokens!r}")
+        check(is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
         check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         stop = self.stop
         check(
@@ -72,8 +71,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         )
         check(not self.stop_strings or all(self.stop_strings), "stop", "stop strings must not be empty")
         ids = self.stop_token_ids
-        check(ids is None or (isinstance(ids, list) and all(is_int(t) and 0 <= t < 2**63 for t in ids)), "stop_token_ids",
-              "must be a list of integers in [0, 2**63)")
+        check(ids is None or (isinstance(ids, list) and all(is_int(t) and t >= 0 for t in ids)), "stop_token_ids", "must be a list of non-negative integers")
         check(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS), "logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 
     @property
