@@ -18,6 +18,19 @@ from pagedserve.common.queue_protocol import CompletionDelta, OutputLog, WireErr
 
 _json = msgspec.json.Encoder()
 
+#: characters JSON lets through raw that line readers (Python's str.splitlines, so httpx's
+#: aiter_lines) take for line ends: escaped in events, so no client splits one in two
+_LINE_BREAKS_IN_JSON = ((b"\xc2\x85", b"\\u0085"), (b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"))
+
+
+def sse_event(body: dict[str, Any]) -> bytes:
+    """One server-sent event: `data: <json>` on a single line, whatever the text holds."""
+    data = _json.encode(body)
+    for raw, escaped in _LINE_BREAKS_IN_JSON:
+        if raw in data:
+            data = data.replace(raw, escaped)
+    return b"data: " + data + b"\n\n"
+
 
 class ResponseBuilder:
     def __init__(self, kind: str, model: str, n: int, num_prompts: int, include_usage: bool, logprobs: int | None):
@@ -89,7 +102,7 @@ class ResponseBuilder:
                                 "choices": choices}
         if self.include_usage:
             body["usage"] = usage
-        return b"data: " + _json.encode(body) + b"\n\n"
+        return sse_event(body)
 
     def stream_chunks(self) -> Iterator[bytes]:
         """SSE events for everything folded in since the last call."""
@@ -124,7 +137,7 @@ class ResponseBuilder:
     @staticmethod
     def error_event(error: WireError) -> bytes:
         body = {"error": {"message": error.message, "type": error.type, "param": error.param, "code": error.code}}
-        return b"data: " + _json.encode(body) + b"\n\n"
+        return sse_event(body)
 
     # -- logprobs ----------------------------------------------------------------------------
     def _logprobs(self, choice: int, entries: list[Logprobs], text_offset: int) -> dict[str, Any]:
