@@ -1,8 +1,11 @@
 """`pagedserve serve`: a Redis (embedded unless --redis-url), the workers and the gateway,
 started in that order and stopped in the reverse order.
 
-Who signals whom: the workers run in sessions of their own (like the embedded Redis), so a
-terminal's Ctrl-C or a SIGTERM reaches only the launcher. The gateway drains on it, and the
+Who signals whom: the workers run in process groups of their own, so a terminal's Ctrl-C
+(sent to the foreground group) or a SIGTERM reaches only the launcher. They stay in the
+launcher's session: with the kernel's autogroup scheduling (on by default on desktops), a
+session of their own gave the workers a fixed share of the CPU against the gateway's and
+cost a quarter of the serve throughput on 2 cores. The gateway drains on it, and the
 launcher tells the workers to drain at the same moment; past `drain_timeout` (and a short
 grace) what is left is killed, and Redis stops last. A second Ctrl-C stops the workers at
 once. A `WorkerSupervisor` thread restarts a worker that exits while serving, with backoff,
@@ -232,8 +235,8 @@ class WorkerSupervisor:
 
     # -- processes and signals -----------------------------------------------------------------
     def _spawn(self, slot: _Slot) -> subprocess.Popen:
-        # A session of its own: only the launcher signals it (see the module docstring).
-        slot.process = subprocess.Popen(self.argv, env=slot.env, start_new_session=True)
+        # A process group of its own: only the launcher signals it (see the module docstring).
+        slot.process = subprocess.Popen(self.argv, env=slot.env, process_group=0)
         return slot.process
 
     def _signal_all(self, signum: int) -> None:
