@@ -28,6 +28,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import redis
@@ -47,6 +48,10 @@ RESTART_BACKOFF_INITIAL = 1.0
 EXIT_GRACE = 3.0
 #: how often the supervisor looks at its workers (seconds)
 _WATCH_INTERVAL = 0.2
+#: Popen arguments that start a child in a process group of its own, in this session
+#: (Python 3.11 has `process_group`; before it, setpgid in the child before exec)
+_OWN_PROCESS_GROUP: dict[str, Any] = (
+    {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp})
 #: where a worker reads the Redis URL (options.build reads it for ServeConfig.redis_url)
 _REDIS_URL_ENV = "PAGEDSERVE_REDIS_URL"
 #: the launcher's pid, for a worker to notice it is gone (pagedserve.worker.service reads it)
@@ -236,7 +241,7 @@ class WorkerSupervisor:
     # -- processes and signals -----------------------------------------------------------------
     def _spawn(self, slot: _Slot) -> subprocess.Popen:
         # A process group of its own: only the launcher signals it (see the module docstring).
-        slot.process = subprocess.Popen(self.argv, env=slot.env, process_group=0)
+        slot.process = subprocess.Popen(self.argv, env=slot.env, **_OWN_PROCESS_GROUP)
         return slot.process
 
     def _signal_all(self, signum: int) -> None:
