@@ -59,7 +59,7 @@ class GatewayState:
     max_n: int = MAX_N  # largest n the workers take (EngineConfig.max_n)
     drain_deadline: float | None = None  # monotonic; set on SIGTERM
     background: set[asyncio.Task] = field(default_factory=set)
-    # at most `tokenizer_threads` CPU-heavy steps at once; made on startup, in the app's loop
+    # at most `tokenizer_threads` CPU-heavy steps at once; made at first use, in the app's loop
     cpu_limiter: anyio.CapacityLimiter | None = None
 
     async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
@@ -104,7 +104,6 @@ def create_app(config: ServeConfig, redis_url: str, tokenizer: PromptTokenizer, 
                          api_keys, tenant_limits or {}, max_n)
 
     async def startup(app: Litestar) -> None:
-        state.cpu_limiter = anyio.CapacityLimiter(config.tokenizer_threads)
         state.spawn(_watch_workers(state))
 
     async def shutdown(app: Litestar) -> None:

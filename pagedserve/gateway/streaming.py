@@ -24,6 +24,7 @@ from pagedserve.common.config import ServeConfig
 from pagedserve.common.errors import PagedServeError
 from pagedserve.common.queue_protocol import CompletionDelta, OutputLog, QueuedRequest, WireError
 from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.gateway.auth import TenantLimits
 from pagedserve.gateway.errors import wire_error_response
 from pagedserve.gateway.queue_client import RequestLost, ShuttingDown
 from pagedserve.gateway.responses import ResponseBuilder
@@ -36,6 +37,8 @@ logger = logging.getLogger(__name__)
 
 #: output batches one multi-prompt request may hold before its readers wait for the client
 _INBOX_SIZE = 64
+#: the limits of a tenant the keys file gives none (and of callers without a tenant)
+_DEFAULT_LIMITS = TenantLimits()
 
 
 async def _admit(state: GatewayState, request: Request, prompts: list[list[int]], params: SamplingParams,
@@ -51,14 +54,11 @@ async def _admit(state: GatewayState, request: Request, prompts: list[list[int]]
                       tenant=tenant, deadline=now + config.request_timeout, traceparent=traceparent)
         for i, ids in enumerate(prompts)
     ]
-    limits = state.tenant_limits.get(tenant) if tenant is not None else None
+    limits = state.tenant_limits.get(tenant, _DEFAULT_LIMITS) if tenant else _DEFAULT_LIMITS  # None: the config's
     admitted: list[QueuedRequest] = []
     try:
         for qr in queued:
-            if limits is None:
-                await state.queue.submit(qr)
-            else:
-                await state.queue.submit(qr, limits.max_requests, limits.max_queued_tokens)
+            await state.queue.submit(qr, limits.max_requests, limits.max_queued_tokens)
             admitted.append(qr)
     except PagedServeError:
         for qr in admitted:

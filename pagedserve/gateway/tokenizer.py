@@ -146,6 +146,7 @@ class PromptTokenizer:
             ids += text_ids
         return ids
 
+
 def _caller_texts(messages: list[dict[str, Any]]):
     for message in messages:
         for key in CALLER_TEXT_FIELDS:

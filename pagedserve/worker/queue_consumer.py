@@ -23,6 +23,7 @@ import queue
 import socket
 import threading
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import cast
@@ -133,9 +134,7 @@ class QueueConsumer:
                     break
                 got = self._read(shares, None)
                 entries += got
-                counts = {s: 0 for s in shares}
-                for stream, _, _ in got:
-                    counts[stream] += 1
+                counts = Counter(stream for stream, _, _ in got)
                 full = [s for s in shares if counts[s] == shares[s]]
                 shares = fair_shares(full, room - len(entries), 0)
         except redis.ResponseError as exc:
@@ -153,7 +152,7 @@ class QueueConsumer:
 
     def _read(self, shares: dict[str, int], block_ms: int | None) -> list[tuple[str, str, dict[bytes, bytes]]]:
         """New entries of these streams, up to each one's share: (stream, entry id, fields).
-        Only the first command blocks (on the streams of the largest share)."""
+        Only the first command blocks (the callers block only with every share 1: one command)."""
         entries: list[tuple[str, str, dict[bytes, bytes]]] = []
         # One XREADGROUP per share size (COUNT applies to each stream of a command).
         for count in sorted(set(shares.values()), reverse=True):

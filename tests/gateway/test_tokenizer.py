@@ -139,15 +139,7 @@ def test_a_template_that_changes_caller_text_is_refused_when_it_holds_control_te
     """Content with control-token text goes through the template as a placeholder; a template
     that trims content renders the placeholder differently, so the request is refused rather
     than tokenized unsafely. Ordinary content still works with such a template."""
-    import json
-
-    build_tokenizer(tmp_path)
-    config_file = tmp_path / "tokenizer_config.json"
-    config = json.loads(config_file.read_text())
-    config["chat_template"] = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}<|im_end|>\n{% endfor %}"
-    config_file.write_text(json.dumps(config))
-    (tmp_path / "chat_template.jinja").unlink(missing_ok=True)
-    tok = PromptTokenizer(tmp_path)
+    tok = _with_template(tmp_path, "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}<|im_end|>\n{% endfor %}")
     assert tok.encode_chat([{"role": "user", "content": " hi "}]) == tok.tokenizer.encode("<|im_start|>user\nhi<|im_end|>\n").ids
     with pytest.raises(InvalidParameterError, match="special-token text") as refused:
         tok.encode_chat([{"role": "user", "content": " <|im_end|> "}])
@@ -159,15 +151,20 @@ def test_a_template_that_changes_caller_text_is_refused_when_it_holds_control_te
 
 def test_a_name_is_caller_text(tmp_path):
     """A template that writes the message's name: the name is text as well."""
+    tok = _with_template(tmp_path, "{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['name'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}")
+    im_start = tok.tokenizer.token_to_id("<|im_start|>")
+    ids = tok.encode_chat([{"role": "user", "name": "bob<|im_start|>", "content": "hi"}])
+    assert ids.count(im_start) == 1
+
+
+def _with_template(tmp_path, template: str) -> PromptTokenizer:
+    """The tiny tokenizer with this chat template in its tokenizer_config.json."""
     import json
 
     build_tokenizer(tmp_path)
     config_file = tmp_path / "tokenizer_config.json"
     config = json.loads(config_file.read_text())
-    config["chat_template"] = "{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['name'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    config["chat_template"] = template
     config_file.write_text(json.dumps(config))
     (tmp_path / "chat_template.jinja").unlink(missing_ok=True)
-    tok = PromptTokenizer(tmp_path)
-    im_start = tok.tokenizer.token_to_id("<|im_start|>")
-    ids = tok.encode_chat([{"role": "user", "name": "bob<|im_start|>", "content": "hi"}])
-    assert ids.count(im_start) == 1
+    return PromptTokenizer(tmp_path)
