@@ -104,6 +104,7 @@ class QueuedRequest(msgspec.Struct, kw_only=True):
     cache_salt: str | None = None  # requests with different salts share no KV block (tenant, caller's salt)
     tenant: str | None = None  # whose share of the workers it uses (the API key's tenant)
     deadline: float  # unix seconds: past it the request ends with a timeout error
+    enqueued_at: float | None = None  # unix seconds of its admission (the queue-time metric and span)
     traceparent: str | None = None  # W3C trace context of the gateway's span
 
 

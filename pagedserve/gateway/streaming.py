@@ -51,7 +51,8 @@ async def _admit(state: GatewayState, request: Request, prompts: list[list[int]]
     traceparent = request.headers.get("traceparent")
     queued = [
         QueuedRequest(request_id=f"{base}-{i}", prompt_token_ids=ids, params=params, cache_salt=cache_salt,
-                      tenant=tenant, deadline=now + config.request_timeout, traceparent=traceparent)
+                      tenant=tenant, deadline=now + config.request_timeout, enqueued_at=now,
+                      traceparent=traceparent)
         for i, ids in enumerate(prompts)
     ]
     limits = state.tenant_limits.get(tenant, _DEFAULT_LIMITS) if tenant else _DEFAULT_LIMITS  # None: the config's

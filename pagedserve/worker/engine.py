@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Sequence
 
 import torch
@@ -28,6 +29,7 @@ from pagedserve.worker.input_processor import InputProcessor, ResumedCompletion
 from pagedserve.worker.kv_cache_manager import KVCacheManager
 from pagedserve.worker.model_runner import ModelRunner
 from pagedserve.worker.output_processor import OutputProcessor
+from pagedserve.worker.step_stats import FinishedRequestStats, StepStats, StepStatsCollector
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +53,8 @@ class Engine:
         self.input_processor = InputProcessor(self.tokenizer, self.hf_config.vocab_size, self.max_model_len,
                                               config.max_n, self._eos_token_ids(), self.runner.device)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.stats = StepStatsCollector(self.kv_manager.pool.stats)
+        self.last_step: StepStats | None = None  # what the latest step did (None: it computed nothing)
 
     def _eos_token_ids(self) -> frozenset[int]:
         ids: set[int] = set()
@@ -96,14 +100,23 @@ class Engine:
         if request_id not in self.output_processor:
             return None
         self.scheduler.finish_requests(self.output_processor.sequence_ids(request_id), RequestStatus.FINISHED_ABORTED)
-        return self.output_processor.end(request_id, "abort")
+        delta = self.output_processor.end(request_id, "abort")
+        if delta is not None:
+            self.stats.finished(delta)
+        return delta
 
     def has_unfinished_requests(self) -> bool:
         return len(self.output_processor) > 0
 
+    def pop_finished(self) -> list[FinishedRequestStats]:
+        """The requests that ended (finished, aborted or failed) since the last call."""
+        return self.stats.pop_finished()
+
     # -- the loop ------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
-        """One engine step; a delta for every request that changed."""
+        """One engine step; a delta for every request that changed (what it did: `last_step`)."""
+        started = time.monotonic()
+        self.last_step = None
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             return []
@@ -113,7 +126,14 @@ class Engine:
             return self._fail(scheduled, exc)
         processed = self.output_processor.process(self.scheduler.update(scheduled, ran))
         self.scheduler.finish_requests(processed.stopped, RequestStatus.FINISHED_STOPPED)
+        self.last_step = self._step_stats(started, scheduled, processed.deltas)
         return processed.deltas
+
+    def _step_stats(self, started: float, scheduled: SchedulerOutput, deltas: list[RequestDelta]) -> StepStats:
+        kv = self.kv_manager
+        return self.stats.step(started, scheduled, deltas, num_running=self.scheduler.num_running,
+                               num_waiting=self.scheduler.num_waiting,
+                               kv_cache_usage=1.0 - kv.num_free_blocks / kv.num_blocks)
 
     def _fail(self, scheduled: SchedulerOutput, exc: Exception) -> list[RequestDelta]:
         """End the step's requests with an error the caller sees; their blocks are freed."""
@@ -125,5 +145,6 @@ class Engine:
             self.scheduler.finish_requests(seq_ids, RequestStatus.FINISHED_ABORTED)
             delta = self.output_processor.end(request_id, "error", error=f"{type(exc).__name__}: {exc}")
             if delta is not None:
+                self.stats.finished(delta)
                 deltas.append(delta)
         return deltas

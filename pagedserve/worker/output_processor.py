@@ -57,6 +57,7 @@ class _RequestState:
     arrival_time: float
     first_token_time: float | None = None
     num_cached_tokens: int = 0
+    num_preemptions: int = 0  # over its sequences
 
     @property
     def finished(self) -> bool:
@@ -122,6 +123,7 @@ class OutputProcessor:
             if self._append(completion, seq, update.new_token_id, update.logprobs):
                 stopped.append(seq.request_id)
             state.num_cached_tokens = max(state.num_cached_tokens, seq.num_cached_tokens)
+            state.num_preemptions = max(state.num_preemptions, seq.num_preemptions)
             if state.first_token_time is None:
                 state.first_token_time = seq.first_token_time
             changed[state.request_id] = state
@@ -205,6 +207,6 @@ class OutputProcessor:
         """The whole result; the completions' lists are handed over, not copied (they are done)."""
         outputs = [CompletionOutput(index=c.index, text=c.text, token_ids=c.token_ids, finish_reason=c.finish_reason,
                                     stop_reason=c.stop_reason, logprobs=c.logprobs) for c in state.completions]
-        metrics = RequestMetrics(state.arrival_time, state.first_token_time, time.monotonic())
+        metrics = RequestMetrics(state.arrival_time, state.first_token_time, time.monotonic(), state.num_preemptions)
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outputs, True,
                              state.num_cached_tokens, metrics=metrics)

@@ -143,8 +143,15 @@ class WorkerService:
             self._take_requests()
         if self.engine.has_unfinished_requests():
             self._forward(self.engine.step())
+        self._observe()
         self.queue.flush()
         return True
+
+    def _observe(self) -> None:
+        """Hand what the engine did (its last step, the requests that ended) to the telemetry."""
+        step = self.engine.last_step
+        finished = self.engine.pop_finished()
+        del step, finished  # the metrics and traces read them here
 
     # -- taking requests ----------------------------------------------------------------------
     def _room(self) -> int:

@@ -121,3 +121,9 @@ class SchedulerPlugin(ABC):
     def num_waiting(self) -> int:
         """Sequences not yet admitted; a worker takes no new requests while any wait."""
         return 0
+
+    @property
+    def num_running(self) -> int:
+        """Sequences admitted and not finished (the worker's `num_requests_running` metric).
+        A plugin that does not say reports 0."""
+        return 0

@@ -40,6 +40,10 @@ class ShortestPromptFirstScheduler(SchedulerPlugin):
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
     def schedule(self) -> SchedulerOutput:
         budget = self.budget
         scheduled = []
