@@ -38,6 +38,8 @@ from pagedserve.gateway.errors import (
 from pagedserve.gateway.queue_client import QueueClient
 from pagedserve.gateway.routes import ROUTE_HANDLERS
 from pagedserve.gateway.tokenizer import PromptTokenizer
+from pagedserve.gateway.tracing import server_span_middleware
+from pagedserve.telemetry.tracing import Tracing
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +63,7 @@ class GatewayState:
     background: set[asyncio.Task] = field(default_factory=set)
     # at most `tokenizer_threads` CPU-heavy steps at once; made at first use, in the app's loop
     cpu_limiter: anyio.CapacityLimiter | None = None
+    tracing: Tracing = field(default_factory=Tracing.disabled)  # the process's traces (off unless OTEL_* say)
 
     async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
         """Run a CPU-heavy step (tokenizing, rendering a chat template, scanning a body) in a
@@ -97,11 +100,14 @@ async def _watch_workers(state: GatewayState) -> None:
 
 def create_app(config: ServeConfig, redis_url: str, tokenizer: PromptTokenizer, model_names: tuple[str, ...],
                max_model_len: int, api_keys: dict[str, str], vocab_size: int | None = None,
-               tenant_limits: dict[str, TenantLimits] | None = None, max_n: int = MAX_N) -> Litestar:
-    """The gateway for one model; `vocab_size` defaults to the tokenizer's."""
+               tenant_limits: dict[str, TenantLimits] | None = None, max_n: int = MAX_N,
+               tracing: Tracing | None = None) -> Litestar:
+    """The gateway for one model; `vocab_size` defaults to the tokenizer's, `tracing` to what
+    the OTEL_* variables say."""
+    tracing = tracing if tracing is not None else Tracing.from_env("pagedserve-gateway")
     vocab_size = vocab_size or tokenizer.tokenizer.get_vocab_size(with_added_tokens=True)
     state = GatewayState(config, QueueClient(redis_url, config), tokenizer, model_names, max_model_len, vocab_size,
-                         api_keys, tenant_limits or {}, max_n)
+                         api_keys, tenant_limits or {}, max_n, tracing=tracing)
 
     async def startup(app: Litestar) -> None:
         state.spawn(_watch_workers(state))
@@ -110,9 +116,11 @@ def create_app(config: ServeConfig, redis_url: str, tokenizer: PromptTokenizer, 
         for task in list(state.background):
             task.cancel()
         await state.queue.close()
+        await anyio.to_thread.run_sync(state.tracing.shutdown)  # the last spans leave (bounded)
 
     return Litestar(
         route_handlers=ROUTE_HANDLERS,
+        middleware=[server_span_middleware(tracing)] if tracing.enabled else [],
         state=State({"gateway": state}),
         on_startup=[startup],
         on_shutdown=[shutdown],

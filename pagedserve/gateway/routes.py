@@ -29,6 +29,7 @@ from pagedserve.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from pagedserve.gateway.responses import ResponseBuilder
 from pagedserve.gateway.streaming import serve
 from pagedserve.gateway.tokenizer import PromptTokenizer
+from pagedserve.gateway.tracing import note_request, span_of
 from pagedserve.gateway.validation import (
     authenticate,
     check_model,
@@ -90,6 +91,7 @@ async def _handle(request: Request, data: CompletionRequest | ChatCompletionRequ
     state = _state(request)
     check_model(state, data.model)
     params = data.sampling_params()
+    note_request(span_of(request), data.model, params)
     num_messages = len(data.messages) if isinstance(data, ChatCompletionRequest) else 0
     check_request_size(state, params, num_prompts, num_messages)
     tenant = _tenant(request)

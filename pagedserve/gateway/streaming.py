@@ -28,6 +28,7 @@ from pagedserve.gateway.auth import TenantLimits
 from pagedserve.gateway.errors import wire_error_response
 from pagedserve.gateway.queue_client import RequestLost, ShuttingDown
 from pagedserve.gateway.responses import ResponseBuilder
+from pagedserve.gateway.tracing import note_answer, span_of, traceparent_for_queue
 from pagedserve.gateway.validation import check_admission
 
 if TYPE_CHECKING:
@@ -48,7 +49,7 @@ async def _admit(state: GatewayState, request: Request, prompts: list[list[int]]
     config = state.config
     base = uuid.uuid4().hex
     now = time.time()
-    traceparent = request.headers.get("traceparent")
+    traceparent = traceparent_for_queue(span_of(request), request.headers.get("traceparent"))
     queued = [
         QueuedRequest(request_id=f"{base}-{i}", prompt_token_ids=ids, params=params, cache_salt=cache_salt,
                       tenant=tenant, deadline=now + config.request_timeout, enqueued_at=now,
@@ -168,6 +169,7 @@ async def serve(state: GatewayState, request: Request, body, prompts: list[list[
         await events.aclose()  # a whole answer fails whole; a stream fails in-band once it began
         return wire_error_response(builder.error)
     if not body.stream:
+        note_answer(span_of(request), builder)
         return Response(content=builder.final_body())
 
     async def sse() -> AsyncIterator[bytes]:
@@ -181,6 +183,7 @@ async def serve(state: GatewayState, request: Request, body, prompts: list[list[
                     for chunk in builder.stream_chunks():
                         yield chunk
                 finished = True
+            note_answer(span_of(request), builder)
             for chunk in builder.stream_end():
                 yield chunk
         except (TimeoutError, ShuttingDown, RequestLost) as exc:  # tell the client, then [DONE]

@@ -28,9 +28,11 @@ from pagedserve.common.config import EngineConfig, ServeConfig
 from pagedserve.common.errors import PagedServeError
 from pagedserve.common.outputs import RequestDelta
 from pagedserve.common.queue_protocol import Chunk, WireError, WorkerInfo
+from pagedserve.telemetry.tracing import Tracing
 from pagedserve.worker.engine import Engine
 from pagedserve.worker.input_processor import ResumedCompletion
 from pagedserve.worker.queue_consumer import OwnedEntry, QueueConsumer, TakenEntry
+from pagedserve.worker.request_tracing import request_traces
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +56,8 @@ class _Running:
 
 
 class WorkerService:
-    def __init__(self, engine: Engine, config: ServeConfig, redis_url: str, worker_id: str | None = None):
+    def __init__(self, engine: Engine, config: ServeConfig, redis_url: str, worker_id: str | None = None,
+                 tracing: Tracing | None = None):
         self.engine = engine
         self.config = config
         self.queue = QueueConsumer(redis_url, config, worker_id)
@@ -65,6 +68,7 @@ class WorkerService:
         self.last_pass = time.monotonic()  # when the loop last completed a pass (the heartbeat's liveness)
         self.num_cancelled = 0
         self.num_taken_over = 0
+        self.traces = request_traces(tracing, self.worker_id, engine.config.model)  # spans (no-ops when off)
 
     # -- lifecycle -------------------------------------------------------------------------
     def run(self) -> None:
@@ -151,7 +155,7 @@ class WorkerService:
         """Hand what the engine did (its last step, the requests that ended) to the telemetry."""
         step = self.engine.last_step
         finished = self.engine.pop_finished()
-        del step, finished  # the metrics and traces read them here
+        self.traces.observe(step, finished, self.running)
 
     # -- taking requests ----------------------------------------------------------------------
     def _room(self) -> int:
@@ -184,6 +188,7 @@ class WorkerService:
         if self.queue.is_cancelled(request.request_id):
             self.queue.ack(entry.stream, entry.entry_id)  # the client left while it was queued
             return
+        self.traces.start(request, entry.attempt)
         if entry.attempt > self.config.max_attempts:
             self._end(run, WireError(message=f"the request failed: {entry.attempt - 1} workers died while running it",
                                      type="server_error", code="worker_failed", status_code=500), started=False)
@@ -274,6 +279,7 @@ class WorkerService:
 
     def _end(self, run: _Running, error: WireError | None, started: bool = True) -> None:
         """Final outcome outside a normal finish: an error (or nothing left), then the ack."""
+        self.traces.error(run.request_id, error, started)
         if started:
             self._forget(run)
         self.queue.send(run.request_id, Chunk(attempt=run.attempt, done=True, error=error))
@@ -301,11 +307,15 @@ def run_worker(config: ServeConfig, engine_config: EngineConfig, redis_url: str)
     except KeyboardInterrupt:  # stopped while loading: nothing to drain
         logger.info("worker interrupted while loading %s", engine_config.model)
         return
-    service = WorkerService(engine, config, redis_url)
+    tracing = Tracing.from_env("pagedserve-worker")
+    service = WorkerService(engine, config, redis_url, tracing=tracing)
     service.install_signal_handlers()
     if supervisor := os.environ.get(SUPERVISOR_PID_ENV):
         _drain_when_orphaned(service, int(supervisor))
-    service.run()
+    try:
+        service.run()
+    finally:
+        tracing.shutdown()  # the last spans leave before the process exits (cli: os._exit)
 
 
 def _drain_when_orphaned(service: WorkerService, supervisor_pid: int, interval: float = 1.0) -> None:
