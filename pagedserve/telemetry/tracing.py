@@ -118,20 +118,26 @@ class TraceSettings:
 
 
 def otlp_exporter(protocol: str, environ: Mapping[str, str] = os.environ) -> SpanExporter:
-    """The OTLP span exporter for `protocol`; it reads its endpoint and the rest from OTEL_*."""
+    """The OTLP span exporter for `protocol`. The endpoint comes from `environ` (as the exporter
+    itself reads it: the traces' URL as is, or the base URL, to which HTTP adds /v1/traces);
+    headers, certificates and compression from OTEL_* as the exporter reads them."""
     has_timeout = environ.get("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT") or environ.get("OTEL_EXPORTER_OTLP_TIMEOUT")
     timeout = None if has_timeout else DEFAULT_EXPORT_TIMEOUT
+    endpoint = environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    base = environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
     if protocol == GRPC:
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
             OTLPSpanExporter as GrpcExporter,
         )
 
-        return GrpcExporter(timeout=timeout)
+        return GrpcExporter(endpoint=endpoint or base, timeout=timeout)
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
         OTLPSpanExporter as HttpExporter,
     )
 
-    return HttpExporter(timeout=timeout)
+    if not endpoint and base:
+        endpoint = base.rstrip("/") + "/v1/traces"
+    return HttpExporter(endpoint=endpoint, timeout=timeout)
 
 
 class Tracing:
