@@ -110,3 +110,29 @@ def test_queue_time_and_exposition_has_no_request_ids():
     labels = {name for family in text_string_to_metric_families(generate_latest(registry).decode())
               for sample in family.samples for name in sample.labels}
     assert labels == {"model_name", "finished_reason", "le"}
+
+
+def test_metrics_server_serves_the_registry_and_a_busy_port_is_logged(caplog):
+    import socket
+
+    import httpx
+
+    from pagedserve.worker.service import serve_metrics
+
+    registry = CollectorRegistry()
+    WorkerMetrics(registry, "tiny", block_size=16).count_finished("stop")
+    server = serve_metrics(registry, "127.0.0.1", 0)
+    assert server is not None
+    try:
+        port = server.server_address[1]
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        assert 'pagedserve:request_success_total{finished_reason="stop",model_name="tiny"} 1.0' in text
+        with caplog.at_level("ERROR"):  # the port is taken: no server, an error, and the worker goes on
+            assert serve_metrics(registry, "127.0.0.1", port) is None
+        assert f"cannot listen on 127.0.0.1:{port}" in caplog.text
+    finally:
+        server.shutdown()
+        server.server_close()
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port))  # closed
