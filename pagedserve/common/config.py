@@ -108,6 +108,9 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     worker_restart_window: float = 300.0  # `serve`: seconds over which worker_restart_limit counts restarts
     worker_restart_backoff_max: float = 30.0  # `serve`: longest wait before a restart (1 s, doubling per recent restart)
     redis_maxmemory: int = 1 << 30  # bytes the Redis `serve` starts may hold; beyond them writes fail (noeviction), nothing is evicted
+    # a worker serves its Prometheus metrics on this port (`serve`: worker i on this port + i); None: no metrics server
+    worker_metrics_port: int | None = None
+    worker_metrics_host: str = "127.0.0.1"  # the address the workers' metrics servers listen on (0.0.0.0: every interface)
 
     def __post_init__(self) -> None:
         for name in ("max_queued_requests", "max_queued_tokens", "max_attempts", "max_body_bytes",
@@ -130,3 +133,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
                 raise InvalidParameterError(name, "must be > 0 seconds")
         if self.redis_maxmemory < 1:
             raise InvalidParameterError("redis_maxmemory", "must be >= 1 byte")
+        if self.worker_metrics_port is not None and not 1 <= self.worker_metrics_port <= 65535:
+            raise InvalidParameterError("worker_metrics_port", "must be a TCP port, 1 to 65535")
+        if not self.worker_metrics_host:
+            raise InvalidParameterError("worker_metrics_host", "must be an address")

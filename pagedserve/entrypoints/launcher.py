@@ -36,6 +36,7 @@ import redis
 from pagedserve.common import options
 from pagedserve.common import queue_protocol as q
 from pagedserve.common.config import EngineConfig, ServeConfig
+from pagedserve.common.errors import InvalidParameterError
 from pagedserve.common.model_store import resolve_model
 from pagedserve.entrypoints.redis_server import EmbeddedRedis, redact_url
 
@@ -56,6 +57,8 @@ _OWN_PROCESS_GROUP: dict[str, Any] = (
 _REDIS_URL_ENV = "PAGEDSERVE_REDIS_URL"
 #: the launcher's pid, for a worker to notice it is gone (pagedserve.worker.service reads it)
 _SUPERVISOR_PID_ENV = "PAGEDSERVE_SUPERVISOR_PID"
+#: where worker i reads its metrics port (--worker-metrics-port + i)
+_METRICS_PORT_ENV = "PAGEDSERVE_WORKER_METRICS_PORT"
 #: environment a worker has no use for: the gateway's API keys
 _GATEWAY_ONLY_ENV = ("PAGEDSERVE_API_KEYS",)
 
@@ -132,17 +135,27 @@ class _Slot:
 
 def _worker_plan(config: ServeConfig, engine: EngineConfig, redis_url: str) -> tuple[list[str], list[dict[str, str]]]:
     """The workers' command line and one environment per worker. The Redis URL goes into the
-    environment: argv is readable by every user of the machine."""
+    environment: argv is readable by every user of the machine. Worker i's metrics port
+    (--worker-metrics-port + i) too, so that one command line serves every worker."""
     num_gpus = count_gpus() if engine.device in ("auto", "cuda") else 0
     count = config.num_workers or max(1, num_gpus)
+    metrics_port = config.worker_metrics_port
+    if metrics_port is not None and metrics_port + count - 1 > 65535:
+        raise InvalidParameterError("worker_metrics_port", f"{metrics_port} + {count} workers runs past port 65535")
     if not num_gpus and engine.num_threads is None:
         # CPU workers share the cores instead of each taking all of them.
         engine = msgspec.structs.replace(engine, num_threads=max(1, (os.cpu_count() or 1) // count))
-    flags = options.to_flags(msgspec.structs.replace(config, redis_url=None)) + options.to_flags(engine)
+    flags = (options.to_flags(msgspec.structs.replace(config, redis_url=None, worker_metrics_port=None))
+             + options.to_flags(engine))
     argv = [sys.executable, "-m", "pagedserve.entrypoints.cli", "worker", *flags]
-    base = {k: v for k, v in os.environ.items() if k not in _GATEWAY_ONLY_ENV}
+    base = {k: v for k, v in os.environ.items() if k not in (*_GATEWAY_ONLY_ENV, _METRICS_PORT_ENV)}
     base.update({_REDIS_URL_ENV: redis_url, _SUPERVISOR_PID_ENV: str(os.getpid())})
-    envs = [dict(base, CUDA_VISIBLE_DEVICES=str(i % num_gpus)) if num_gpus else dict(base) for i in range(count)]
+    envs = []
+    for i in range(count):
+        env = dict(base, CUDA_VISIBLE_DEVICES=str(i % num_gpus)) if num_gpus else dict(base)
+        if metrics_port is not None:
+            env[_METRICS_PORT_ENV] = str(metrics_port + i)
+        envs.append(env)
     return argv, envs
 
 

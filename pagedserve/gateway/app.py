@@ -24,6 +24,7 @@ from litestar import Litestar
 from litestar.datastructures import State
 from litestar.exceptions import HTTPException, ValidationException
 from litestar.openapi import OpenAPIConfig
+from prometheus_client import CollectorRegistry
 
 from pagedserve.common.config import ServeConfig
 from pagedserve.common.errors import PagedServeError
@@ -35,10 +36,12 @@ from pagedserve.gateway.errors import (
     paged_error_handler,
     validation_error_handler,
 )
+from pagedserve.gateway.http_metrics import count_answers, metrics_endpoint
 from pagedserve.gateway.queue_client import QueueClient
 from pagedserve.gateway.routes import ROUTE_HANDLERS
 from pagedserve.gateway.tokenizer import PromptTokenizer
 from pagedserve.gateway.tracing import server_span_middleware
+from pagedserve.telemetry.metrics import GatewayMetrics
 from pagedserve.telemetry.tracing import Tracing
 
 logger = logging.getLogger(__name__)
@@ -64,6 +67,8 @@ class GatewayState:
     # at most `tokenizer_threads` CPU-heavy steps at once; made at first use, in the app's loop
     cpu_limiter: anyio.CapacityLimiter | None = None
     tracing: Tracing = field(default_factory=Tracing.disabled)  # the process's traces (off unless OTEL_* say)
+    # the app's Prometheus metrics, on a registry of its own (GET /metrics)
+    metrics: GatewayMetrics = field(default_factory=lambda: GatewayMetrics(CollectorRegistry()))
 
     async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
         """Run a CPU-heavy step (tokenizing, rendering a chat template, scanning a body) in a
@@ -85,14 +90,16 @@ class GatewayState:
 
 
 async def _watch_workers(state: GatewayState) -> None:
-    """Keep the context length at the smallest a live worker announces, and the queue's
-    counters reconciled with its streams."""
+    """Keep the context length at the smallest a live worker announces, the queue's
+    counters reconciled with its streams, and the queue-depth and live-worker gauges current
+    (so that a scrape of /metrics never waits on Redis)."""
     configured = state.max_model_len
     while True:
         try:
-            await state.queue.reconcile()
-            lens = [w.max_model_len for w in await state.queue.live_workers()]
-            state.max_model_len = min([configured, *lens])
+            queued, _tokens = await state.queue.reconcile()
+            workers = await state.queue.live_workers()
+            state.max_model_len = min([configured, *(w.max_model_len for w in workers)])
+            state.metrics.set_queue(queued, len(workers))
         except Exception as exc:  # noqa: BLE001 - Redis away: keep the last value
             logger.debug("worker watch: %s", exc)
         await asyncio.sleep(2.0)
@@ -119,8 +126,9 @@ def create_app(config: ServeConfig, redis_url: str, tokenizer: PromptTokenizer, 
         await anyio.to_thread.run_sync(state.tracing.shutdown)  # the last spans leave (bounded)
 
     return Litestar(
-        route_handlers=ROUTE_HANDLERS,
+        route_handlers=[*ROUTE_HANDLERS, metrics_endpoint],
         middleware=[server_span_middleware(tracing)] if tracing.enabled else [],
+        before_send=[count_answers(state.metrics)],
         state=State({"gateway": state}),
         on_startup=[startup],
         on_shutdown=[shutdown],

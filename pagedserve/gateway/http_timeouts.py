@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Callable
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -29,6 +30,8 @@ class TimedH11Protocol(H11Protocol):
     header_timeout: float = 10.0  # set by `with_request_timeouts`
     body_timeout: float = 60.0
     max_connections: int | None = None  # beyond it, a connection's request gets a 503
+    # told of each answer written here (status, error code): the gateway's metrics; None: nobody
+    on_answer: Callable[[int, str], None] | None = None
 
     _over_limit = False  # this connection came beyond max_connections
 
@@ -47,6 +50,7 @@ class TimedH11Protocol(H11Protocol):
                     503, "Service Unavailable", f"the server holds {self.max_connections} connections, its limit; retry later",
                     "server_error", "too_many_connections", retry_after=True))
                 self.transport.close()
+                self._answered(503, "too_many_connections")
             return
         if self._waiting_for is None and self.conn.their_state is h11.IDLE:
             self._expect("headers")  # the first bytes of the next request on a kept-alive connection
@@ -83,10 +87,19 @@ class TimedH11Protocol(H11Protocol):
         if cycle is None or not cycle.response_started:
             self.transport.write(_error_response(408, "Request Timeout", f"the request {part} did not arrive within "
                                                  f"{timeout:g} s", "invalid_request_error", "request_timeout"))
+            self._answered(408, "request_timeout")
         if cycle is not None:  # the app, waiting for the body, reads a disconnect and answers no one
             cycle.disconnected = True
             cycle.message_event.set()
         self.transport.close()
+
+
+    def _answered(self, status: int, code: str) -> None:
+        if self.on_answer is not None:
+            try:
+                self.on_answer(status, code)
+            except Exception:  # counting must never break a connection
+                logger.exception("counting an answer failed")
 
 
 def _error_response(status: int, reason: str, message: str, type_: str, code: str, retry_after: bool = False) -> bytes:
@@ -97,8 +110,10 @@ def _error_response(status: int, reason: str, message: str, type_: str, code: st
     return head.encode() + body
 
 
-def with_request_timeouts(header_timeout: float, body_timeout: float,
-                          max_connections: int | None = None) -> type[TimedH11Protocol]:
-    """The protocol class for uvicorn's `http=`, with these deadlines and connection limit."""
+def with_request_timeouts(header_timeout: float, body_timeout: float, max_connections: int | None = None,
+                          on_answer: Callable[[int, str], None] | None = None) -> type[TimedH11Protocol]:
+    """The protocol class for uvicorn's `http=`, with these deadlines and connection limit;
+    `on_answer(status, error code)` hears of each answer the protocol writes itself."""
     return type("TimedH11Protocol", (TimedH11Protocol,), {"header_timeout": header_timeout, "body_timeout": body_timeout,
-                                                          "max_connections": max_connections})
+                                                          "max_connections": max_connections,
+                                                          "on_answer": staticmethod(on_answer) if on_answer else None})

@@ -8,6 +8,7 @@ import json
 import os
 import signal
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import uvicorn
@@ -38,10 +39,12 @@ def uvicorn_config(app, config: ServeConfig) -> uvicorn.Config:
     """uvicorn for the gateway: at most `max_connections` connections (a request on one
     beyond gets an OpenAI-shaped 503), idle keep-alive connections closed after
     `keep_alive_timeout`, and a request's headers and body bounded in time."""
+    metrics = app.state.gateway.metrics  # the answers the protocol writes itself count too
     return uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                           timeout_graceful_shutdown=int(config.drain_timeout) + 5, access_log=False,
                           timeout_keep_alive=config.keep_alive_timeout,
-                          http=with_request_timeouts(config.header_timeout, config.body_timeout, config.max_connections))
+                          http=with_request_timeouts(config.header_timeout, config.body_timeout, config.max_connections,
+                                                     on_answer=partial(metrics.count_answer, None)))
 
 
 class _DrainingServer(uvicorn.Server):

@@ -129,11 +129,14 @@ class Engine:
         self.last_step = self._step_stats(started, scheduled, processed.deltas)
         return processed.deltas
 
-    def _step_stats(self, started: float, scheduled: SchedulerOutput, deltas: list[RequestDelta]) -> StepStats:
+    def kv_cache_usage(self) -> float:
+        """The share of KV blocks in use now (0..1); cached blocks no request holds count as free."""
         kv = self.kv_manager
+        return 1.0 - kv.num_free_blocks / kv.num_blocks
+
+    def _step_stats(self, started: float, scheduled: SchedulerOutput, deltas: list[RequestDelta]) -> StepStats:
         return self.stats.step(started, scheduled, deltas, num_running=self.scheduler.num_running,
-                               num_waiting=self.scheduler.num_waiting,
-                               kv_cache_usage=1.0 - kv.num_free_blocks / kv.num_blocks)
+                               num_waiting=self.scheduler.num_waiting, kv_cache_usage=self.kv_cache_usage())
 
     def _fail(self, scheduled: SchedulerOutput, exc: Exception) -> list[RequestDelta]:
         """End the step's requests with an error the caller sees; their blocks are freed."""

@@ -21,18 +21,22 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
+from wsgiref.simple_server import WSGIServer
 
 import redis
+from prometheus_client import CollectorRegistry, start_http_server
 
 from pagedserve.common.config import EngineConfig, ServeConfig
 from pagedserve.common.errors import PagedServeError
 from pagedserve.common.outputs import RequestDelta
 from pagedserve.common.queue_protocol import Chunk, WireError, WorkerInfo
+from pagedserve.telemetry.metrics import WorkerMetrics
 from pagedserve.telemetry.tracing import Tracing
 from pagedserve.worker.engine import Engine
 from pagedserve.worker.input_processor import ResumedCompletion
 from pagedserve.worker.queue_consumer import OwnedEntry, QueueConsumer, TakenEntry
 from pagedserve.worker.request_tracing import request_traces
+from pagedserve.worker.step_stats import FinishedRequestStats, StepStats
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +61,9 @@ class _Running:
 
 class WorkerService:
     def __init__(self, engine: Engine, config: ServeConfig, redis_url: str, worker_id: str | None = None,
-                 tracing: Tracing | None = None):
+                 tracing: Tracing | None = None, metrics: WorkerMetrics | None = None):
         self.engine = engine
+        self.metrics = metrics  # None: no Prometheus metrics (no --worker-metrics-port)
         self.config = config
         self.queue = QueueConsumer(redis_url, config, worker_id)
         self.worker_id = self.queue.worker_id
@@ -145,17 +150,31 @@ class WorkerService:
                 return False
         else:
             self._take_requests()
+        step = None  # engine.last_step stays from an earlier pass when this one runs no step
         if self.engine.has_unfinished_requests():
             self._forward(self.engine.step())
-        self._observe()
+            step = self.engine.last_step
+        self._observe(step)
         self.queue.flush()
         return True
 
-    def _observe(self) -> None:
-        """Hand what the engine did (its last step, the requests that ended) to the telemetry."""
-        step = self.engine.last_step
+    def _observe(self, step: StepStats | None) -> None:
+        """Hand what the engine did (this pass's step, None if it ran none; the requests that
+        ended) to the telemetry."""
         finished = self.engine.pop_finished()
         self.traces.observe(step, finished, self.running)
+        if self.metrics is not None:
+            self._record_metrics(step, finished)
+
+    def _record_metrics(self, step: StepStats | None, finished: list[FinishedRequestStats]) -> None:
+        assert self.metrics is not None
+        if step is not None:
+            self.metrics.observe_step(step)
+        else:  # aborts, or nothing left: the gauges follow the engine between steps too
+            scheduler = self.engine.scheduler
+            self.metrics.set_state(scheduler.num_running, scheduler.num_waiting, self.engine.kv_cache_usage())
+        for request in finished:
+            self.metrics.observe_finished(request)
 
     # -- taking requests ----------------------------------------------------------------------
     def _room(self) -> int:
@@ -185,16 +204,22 @@ class WorkerService:
     def _start(self, entry: TakenEntry) -> None:
         request = entry.request
         run = _Running(entry.stream, entry.entry_id, request.request_id, entry.attempt, request.deadline)
+        if self.metrics is not None and entry.attempt == 1 and request.enqueued_at is not None:
+            # a later delivery's wait since admission includes the run on a worker that died
+            self.metrics.observe_queue_time(time.time() - request.enqueued_at)
         if self.queue.is_cancelled(request.request_id):
             self.queue.ack(entry.stream, entry.entry_id)  # the client left while it was queued
+            self._count_unstarted("abort", request.params.n)
             return
         self.traces.start(request, entry.attempt)
         if entry.attempt > self.config.max_attempts:
             self._end(run, WireError(message=f"the request failed: {entry.attempt - 1} workers died while running it",
                                      type="server_error", code="worker_failed", status_code=500), started=False)
+            self._count_unstarted("error", request.params.n)
             return
         if time.time() > request.deadline:
             self._end(run, _timeout_error(self.config), started=False)
+            self._count_unstarted("abort", request.params.n)  # as a running request past its deadline
             return
         resume = None
         if entry.attempt > 1:
@@ -207,16 +232,24 @@ class WorkerService:
         except PagedServeError as exc:
             self._end(run, WireError(message=exc.message, type=exc.error_type, code=exc.code,
                                      param=exc.param, status_code=exc.status_code), started=False)
+            self._count_unstarted("error", request.params.n)
             return
         except Exception as exc:  # a bug must fail this request, not the worker
             logger.exception("could not start request %s", request.request_id)
-            self.engine.abort_request(request.request_id)
+            if self.engine.abort_request(request.request_id) is None:  # else the engine reports its end
+                self._count_unstarted("error", request.params.n)
             self._end(run, WireError(message=f"the worker could not start the request: {type(exc).__name__}",
                                      code="internal_error"), started=False)
             return
         self.running[request.request_id] = run
         self.num_taken_over += entry.attempt > 1
         self._owned_changed()
+
+    def _count_unstarted(self, reason: str, n: int) -> None:
+        """A request this worker took and ended before the engine had it (the engine counts
+        the rest): its n completions count under `reason` in request_success_total."""
+        if self.metrics is not None:
+            self.metrics.count_finished(reason, n)
 
     def _resume_state(self, run: _Running, n: int) -> list[ResumedCompletion] | None:
         """What the client has of each completion; None (and the entry settled) if nothing is left."""
@@ -307,8 +340,13 @@ def run_worker(config: ServeConfig, engine_config: EngineConfig, redis_url: str)
     except KeyboardInterrupt:  # stopped while loading: nothing to drain
         logger.info("worker interrupted while loading %s", engine_config.model)
         return
+    metrics, metrics_server = None, None
+    if config.worker_metrics_port is not None:
+        registry = CollectorRegistry()  # this process's own, never prometheus_client's global one
+        metrics = WorkerMetrics(registry, config.served_model_name or engine_config.model, engine.config.block_size)
+        metrics_server = serve_metrics(registry, config.worker_metrics_host, config.worker_metrics_port)
     tracing = Tracing.from_env("pagedserve-worker")
-    service = WorkerService(engine, config, redis_url, tracing=tracing)
+    service = WorkerService(engine, config, redis_url, tracing=tracing, metrics=metrics)
     service.install_signal_handlers()
     if supervisor := os.environ.get(SUPERVISOR_PID_ENV):
         _drain_when_orphaned(service, int(supervisor))
@@ -316,6 +354,22 @@ def run_worker(config: ServeConfig, engine_config: EngineConfig, redis_url: str)
         service.run()
     finally:
         tracing.shutdown()  # the last spans leave before the process exits (cli: os._exit)
+        if metrics_server is not None:
+            metrics_server.shutdown()
+            metrics_server.server_close()
+
+
+def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> WSGIServer | None:
+    """Serve the registry at http://host:port/metrics from a thread; None (logged) when the
+    port cannot be bound: the worker serves requests without metrics rather than not at all."""
+    try:
+        server, _thread = start_http_server(port, host, registry=registry)
+    except OSError as exc:
+        logger.error("worker metrics: cannot listen on %s:%d (%s); serving without a metrics endpoint",
+                     host, port, exc)
+        return None
+    logger.info("worker metrics at http://%s:%d/metrics", host, port)
+    return server
 
 
 def _drain_when_orphaned(service: WorkerService, supervisor_pid: int, interval: float = 1.0) -> None:

@@ -402,6 +402,11 @@ def test_keep_alive_and_connection_limit(tokenizer_dir):
                 body = json.loads(refused.split(b"\r\n\r\n", 1)[1])
                 assert body["error"]["code"] == "too_many_connections" and set(body["error"]) == {
                     "message", "type", "param", "code"}
+            # the refusal is counted like the app's own 503s (asked on a connection within the limit)
+            idle[0].sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            metrics = _read_until_closed(idle[0]).decode()
+            assert 'pagedserve:requests_rejected_total{reason="too_many_connections",status_code="503"} 1.0' in metrics
+            assert 'pagedserve:http_requests_total{route="other",status_code="503"} 1.0' in metrics
         finally:
             for sock in idle:
                 sock.close()

@@ -1,0 +1,195 @@
+"""Prometheus metrics of the workers and the gateway, under vLLM's names with the `pagedserve:`
+prefix (docs/metrics.md lists them).
+
+Each process makes one `CollectorRegistry` and passes it here: nothing goes into
+prometheus_client's global registry, so two apps (or tests) in one process never share
+counters. No label takes a value per request: `model_name` is one value per process,
+`finished_reason` one of `FINISHED_REASONS`, and the gateway's labels are route templates,
+status codes and error codes from fixed sets (anything else becomes "other").
+
+This module reads what the other layers hand out (the engine's `StepStats` and
+`FinishedRequestStats`, duck-typed here: telemetry sits below the worker) and never changes it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Protocol
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+PREFIX = "pagedserve:"
+
+#: how a completion ended (FinishedRequestStats.finish_reasons); each is exported from the start, at 0
+FINISHED_REASONS = ("stop", "length", "abort", "error")
+
+#: vLLM's buckets (vllm/v1/metrics/loggers.py), so dashboards built for vLLM read ours unchanged
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                           240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+#: the gateway's error codes of its 429s and 503s (the `reason` label); any other code is "other"
+REJECTION_REASONS = frozenset({
+    "queue_full", "tenant_requests_limit", "tenant_tokens_limit",  # 429: the queue's and the tenant's bounds
+    "service_unavailable",  # 503: no live worker, Redis unreachable or out of memory
+    "request_lost", "shutting_down", "worker_shutdown",  # 503: during a request
+    "too_many_connections",  # 503: beyond --max-connections (http_timeouts)
+})
+#: the `route` of a request that matched no route (unknown paths, protocol-level answers)
+OTHER = "other"
+#: routes whose 503 is a probe's answer, not a refused request: never in requests_rejected_total
+PROBE_ROUTES = frozenset({"/health", "/ready", "/metrics"})
+
+
+class _StepStats(Protocol):
+    """What `observe_step` reads of `pagedserve.worker.step_stats.StepStats` (read-only)."""
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+    @property
+    def num_generated_tokens(self) -> int: ...
+    @property
+    def num_preempted(self) -> int: ...
+    @property
+    def num_running(self) -> int: ...
+    @property
+    def num_waiting(self) -> int: ...
+    @property
+    def kv_cache_usage(self) -> float: ...
+    @property
+    def prefix_cache_queries(self) -> int: ...
+    @property
+    def prefix_cache_hits(self) -> int: ...
+    @property
+    def inter_token_latencies(self) -> tuple[float, ...]: ...
+
+
+class _FinishedRequestStats(Protocol):
+    """What `observe_finished` reads of `pagedserve.worker.step_stats.FinishedRequestStats`."""
+
+    @property
+    def finish_reasons(self) -> tuple[str, ...]: ...
+    @property
+    def time_to_first_token(self) -> float | None: ...
+    @property
+    def e2e_latency(self) -> float: ...
+
+
+class WorkerMetrics:
+    """One worker's engine metrics. The service calls `observe_step` and `observe_finished`
+    after each pass (`WorkerService._observe`), `set_state` on passes without a step, and
+    `observe_queue_time` when it takes a request from the queue."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str, block_size: int):
+        self.block_size = block_size  # prefix-cache lookups are counted in blocks; exported in tokens, like vLLM
+        labels = ["model_name"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(PREFIX + name, doc, labels, registry=registry).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(PREFIX + name, doc, labels, registry=registry).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(PREFIX + name, doc, labels, registry=registry, buckets=buckets).labels(model_name)
+
+        self.running = gauge("num_requests_running", "Sequences admitted by the scheduler and unfinished.")
+        self.waiting = gauge("num_requests_waiting", "Sequences in the engine waiting to be admitted.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "KV-cache usage: the share of blocks in use (1 means 100 percent).")
+        self.prefix_queries = counter("prefix_cache_queries",
+                                      "Prefix cache queries, in tokens (full blocks looked up × block size).")
+        self.prefix_hits = counter("prefix_cache_hits", "Prefix cache hits, in tokens (blocks found × block size).")
+        self.preemptions = counter("num_preemptions", "Sequences preempted (to be recomputed) by the scheduler.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of the requests whose first token came.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        success = Counter(PREFIX + "request_success", "Completions that ended, by finish reason.",
+                          [*labels, "finished_reason"], registry=registry)
+        self.success = {reason: success.labels(model_name, reason) for reason in FINISHED_REASONS}
+        self.ttft = histogram("time_to_first_token_seconds",
+                              "Seconds from a request's arrival in the engine to its first token.", TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Seconds between a request's consecutive tokens.",
+                             ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds",
+                             "Seconds from a request's arrival in the engine to its end.", REQUEST_LATENCY_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds",
+                                    "Seconds from admission by the gateway until a worker took the request.",
+                                    REQUEST_LATENCY_BUCKETS)
+
+    def set_state(self, num_running: int, num_waiting: int, kv_cache_usage: float) -> None:
+        """The engine's state now (after a step, or on a pass without one)."""
+        self.running.set(num_running)
+        self.waiting.set(num_waiting)
+        self.kv_usage.set(kv_cache_usage)
+
+    def observe_step(self, step: _StepStats) -> None:
+        self.set_state(step.num_running, step.num_waiting, step.kv_cache_usage)
+        if step.prefix_cache_queries:
+            self.prefix_queries.inc(step.prefix_cache_queries * self.block_size)
+        if step.prefix_cache_hits:
+            self.prefix_hits.inc(step.prefix_cache_hits * self.block_size)
+        if step.num_preempted:
+            self.preemptions.inc(step.num_preempted)
+        if step.num_prompt_tokens:
+            self.prompt_tokens.inc(step.num_prompt_tokens)
+        if step.num_generated_tokens:
+            self.generation_tokens.inc(step.num_generated_tokens)
+        for latency in step.inter_token_latencies:
+            self.itl.observe(latency)
+
+    def observe_finished(self, finished: _FinishedRequestStats) -> None:
+        """A request that ended in the engine: one success count per completion (as vLLM
+        counts each of n samples), one TTFT and one e2e latency per request."""
+        for reason in finished.finish_reasons:
+            self.count_finished(reason)
+        if (ttft := finished.time_to_first_token) is not None:
+            self.ttft.observe(ttft)
+        self.e2e.observe(finished.e2e_latency)
+
+    def count_finished(self, reason: str, count: int = 1) -> None:
+        """Completions that ended with `reason` (one of FINISHED_REASONS; anything else counts as error)."""
+        self.success.get(reason, self.success["error"]).inc(count)
+
+    def observe_queue_time(self, seconds: float) -> None:
+        self.queue_time.observe(max(0.0, seconds))  # clocks of two machines may disagree a little
+
+
+class GatewayMetrics:
+    """The gateway's metrics: every answer by route and status, the 429s and 503s by reason,
+    and the queue's depth and live workers (set by the gateway's periodic watcher, so a scrape
+    never waits on Redis)."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.registry = registry
+        self.queue_depth = Gauge(PREFIX + "queue_depth", "Requests admitted and not yet taken by a worker "
+                                 "(as of the gateway's last look, every 2 s).", registry=registry)
+        self.workers_alive = Gauge(PREFIX + "workers_alive", "Workers whose heartbeat is current "
+                                   "(as of the gateway's last look, every 2 s).", registry=registry)
+        self.rejected = Counter(PREFIX + "requests_rejected", "Requests answered 429 or 503, by the error code.",
+                                ["status_code", "reason"], registry=registry)
+        self.http_requests = Counter(PREFIX + "http_requests", "HTTP requests answered, by route template and status.",
+                                     ["route", "status_code"], registry=registry)
+
+    def set_queue(self, queue_depth: int, workers_alive: int) -> None:
+        self.queue_depth.set(queue_depth)
+        self.workers_alive.set(workers_alive)
+
+    def count_answer(self, route: str | None, status_code: int, reason: str | None = None) -> None:
+        """One answered request. `route`: its template (None: it matched none); `reason`: the
+        error code of a 429 or 503 (outside REJECTION_REASONS: "other")."""
+        route = route or OTHER
+        self.http_requests.labels(route, str(status_code)).inc()
+        if status_code in (429, 503) and route not in PROBE_ROUTES:
+            self.rejected.labels(str(status_code), reason if reason in REJECTION_REASONS else OTHER).inc()
+
+
+def error_code_of(body: bytes) -> str | None:
+    """The `error.code` of an OpenAI-shaped error body, or None."""
+    try:
+        error = json.loads(body).get("error")
+        code = error.get("code") if isinstance(error, dict) else None
+    except (ValueError, AttributeError):
+        return None
+    return code if isinstance(code, str) else None
+
