@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
-from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace import SpanLimits, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
 from opentelemetry.trace import Span, Tracer, set_span_in_context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
@@ -45,6 +45,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_EXPORT_TIMEOUT = 2.0
 #: seconds `Tracing.shutdown` waits for the last spans to leave (a down collector must not hold a drain)
 SHUTDOWN_TIMEOUT = 5.0
+#: links a span may hold unless OTEL_SPAN_LINK_COUNT_LIMIT says (a step links each of its
+#: requests: up to max_num_seqs, 256 by default)
+MAX_LINKS = 4096
 HTTP_PROTOBUF = "http/protobuf"
 GRPC = "grpc"
 
@@ -180,7 +183,9 @@ class Tracing:
         """Tracing that hands its spans to `processors` (tests pass an in-memory exporter's)."""
         # Resource.create adds OTEL_RESOURCE_ATTRIBUTES (read from os.environ); the name wins over them.
         name = environ.get("OTEL_SERVICE_NAME") or default_service_name
-        provider = TracerProvider(resource=Resource.create({SERVICE_NAME: name}))
+        # A step span links every request it computed for: more than the SDK's 128 by default.
+        limits = SpanLimits(max_links=None if environ.get("OTEL_SPAN_LINK_COUNT_LIMIT") else MAX_LINKS)
+        provider = TracerProvider(resource=Resource.create({SERVICE_NAME: name}), span_limits=limits)
         for processor in processors:
             provider.add_span_processor(processor)
         return cls(provider)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Container, Iterable
+from typing import NamedTuple
 
 from opentelemetry.context import Context
 from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode
@@ -28,6 +29,13 @@ from pagedserve.worker.step_stats import FinishedRequestStats, StepStats
 _NS = 1_000_000_000
 #: an empty context: a step span is a root, whatever span is current
 _ROOT = Context()
+
+
+class _Open(NamedTuple):
+    """A request's open span, and the link a step span makes to it (made once, not per step)."""
+
+    span: Span
+    link: Link
 
 
 class NoRequestTraces:
@@ -52,7 +60,7 @@ class RequestTraces(NoRequestTraces):
         self.tracer = tracing.tracer
         self.worker_id = worker_id
         self.model = model
-        self.spans: dict[str, Span] = {}  # request id → its open request span (only while it runs here)
+        self.spans: dict[str, _Open] = {}  # request id → its open request span (only while it runs here)
         self._last_step: StepStats | None = None  # the step already traced (the engine keeps it across passes)
 
     def start(self, request: QueuedRequest, attempt: int) -> None:
@@ -73,14 +81,16 @@ class RequestTraces(NoRequestTraces):
             attributes[t.TENANT] = request.tenant
         old = self.spans.pop(request.request_id, None)
         if old is not None:  # taken again while an earlier delivery's span was open here
-            old.end()
-        self.spans[request.request_id] = self.tracer.start_span(
-            t.REQUEST_SPAN, context=parent, kind=SpanKind.CONSUMER, start_time=now_ns, attributes=attributes)
+            old.span.end()
+        span = self.tracer.start_span(t.REQUEST_SPAN, context=parent, kind=SpanKind.CONSUMER, start_time=now_ns,
+                                      attributes=attributes)
+        self.spans[request.request_id] = _Open(span, Link(span.get_span_context()))
 
     def error(self, request_id: str, error: WireError | None, started: bool) -> None:
-        span = self.spans.get(request_id)
-        if span is None:
+        open_ = self.spans.get(request_id)
+        if open_ is None:
             return
+        span = open_.span
         if error is not None:
             span.set_status(Status(StatusCode.ERROR, error.message))
             span.set_attribute(t.ERROR_TYPE, error.code or error.type)
@@ -95,12 +105,12 @@ class RequestTraces(NoRequestTraces):
             self._last_step = step
             self._step_span(step, offset_ns)
         for stats in finished:
-            span = self.spans.pop(stats.request_id, None)
-            if span is not None:
-                self._end(span, stats, offset_ns)
+            open_ = self.spans.pop(stats.request_id, None)
+            if open_ is not None:
+                self._end(open_.span, stats, offset_ns)
         # A request the service dropped without an engine end (settled on resume, lost): end it.
         for request_id in [r for r in self.spans if r not in running]:
-            self.spans.pop(request_id).end()
+            self.spans.pop(request_id).span.end()
 
     def _end(self, span: Span, stats: FinishedRequestStats, offset_ns: int) -> None:
         span.set_attributes({
@@ -116,7 +126,8 @@ class RequestTraces(NoRequestTraces):
         span.end(end_time=int(stats.finished_time * _NS) + offset_ns)
 
     def _step_span(self, step: StepStats, offset_ns: int) -> None:
-        links = [Link(span.get_span_context()) for r in step.request_ids if (span := self.spans.get(r)) is not None]
+        spans = self.spans
+        links = [spans[r].link for r in step.request_ids if r in spans]
         span = self.tracer.start_span(
             t.STEP_SPAN, context=_ROOT, kind=SpanKind.INTERNAL, links=links,
             start_time=int(step.started * _NS) + offset_ns,

@@ -69,6 +69,7 @@ def test_settings_and_service_name(monkeypatch):
     assert tracing.provider.resource.attributes["deployment.environment"] == "test"
     named = Tracing.with_processors("pagedserve-gateway", [], {"OTEL_SERVICE_NAME": "edge"})
     assert named.service_name == "edge"
+    assert tracing.provider._span_limits.max_links == t.MAX_LINKS  # a step of 256 requests keeps every link
 
 
 def test_traceparent_round_trip():
