@@ -14,8 +14,9 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 
 def requirement_name(requirement: str) -> str:
