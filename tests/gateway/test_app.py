@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 import time
 
@@ -32,12 +33,15 @@ from tiny_models import build_tokenizer
 
 
 class _ContainerRedis:
-    """Redis in a container (testcontainers), where a Docker engine exists."""
+    """Redis in a container (testcontainers), where a Docker engine exists. The image is
+    PAGEDSERVE_TEST_REDIS_IMAGE, else the public redis:7.4; where no registry can be reached,
+    ops/build-local.sh builds local/redis:bookworm from Debian's redis-server to name here."""
 
     def __enter__(self):
         from testcontainers.redis import RedisContainer
 
-        self.container = RedisContainer("redis:7-alpine").start()
+        image = os.environ.get("PAGEDSERVE_TEST_REDIS_IMAGE") or "redis:7.4"
+        self.container = RedisContainer(image).start()
         port = self.container.get_exposed_port(6379)
         self.url = f"redis://{self.container.get_container_host_ip()}:{port}/0"
         return self
