@@ -7,14 +7,19 @@
         spans = receiver.wait_for(lambda spans: any(s.name == "pagedserve.request" for s in spans))
 
 HTTP/protobuf: POST /v1/traces with an ExportTraceServiceRequest (gzip or not), answered
-with an empty ExportTraceServiceResponse. gRPC: the TraceService's Export, on grpcio's
+with an empty ExportTraceServiceResponse; GET /spans answers every span so far as a JSON list
+of `ReceivedSpan` fields (what the compose test reads from the receiver it runs in a
+container, in Jaeger's place: `python3 otlp_receiver.py --host 0.0.0.0 --port 4318`). gRPC: the TraceService's Export, on grpcio's
 server. Both run in threads of the test process; `endpoint` is the base URL the exporters
 take from OTEL_EXPORTER_OTLP_ENDPOINT (the HTTP exporter appends /v1/traces).
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import gzip
+import json
 import threading
 import time
 from collections.abc import Callable
@@ -82,9 +87,10 @@ def decode(request: ExportTraceServiceRequest) -> list[ReceivedSpan]:
 class OtlpReceiver:
     """Receives OTLP traces over `protocol` ("http/protobuf" or "grpc") on 127.0.0.1."""
 
-    def __init__(self, protocol: str = HTTP_PROTOBUF, port: int = 0):
+    def __init__(self, protocol: str = HTTP_PROTOBUF, port: int = 0, host: str = "127.0.0.1"):
         assert protocol in (HTTP_PROTOBUF, GRPC), protocol
         self.protocol = protocol
+        self._host = host
         self._port = port
         self._spans: list[ReceivedSpan] = []
         self._lock = threading.Condition()
@@ -95,7 +101,7 @@ class OtlpReceiver:
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> OtlpReceiver:
         if self.protocol == HTTP_PROTOBUF:
-            self._http = ThreadingHTTPServer(("127.0.0.1", self._port), self._http_handler())
+            self._http = ThreadingHTTPServer((self._host, self._port), self._http_handler())
             self._http.daemon_threads = True
             self._port = self._http.server_address[1]
             threading.Thread(target=self._http.serve_forever, name="otlp-http", daemon=True).start()
@@ -112,7 +118,7 @@ class OtlpReceiver:
 
             self._grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
             trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Servicer(), self._grpc)
-            self._port = self._grpc.add_insecure_port(f"127.0.0.1:{self._port}")
+            self._port = self._grpc.add_insecure_port(f"{self._host}:{self._port}")
             self._grpc.start()
         return self
 
@@ -176,14 +182,37 @@ class OtlpReceiver:
                     self.send_error(404)
                     return
                 receiver._add(decode(ExportTraceServiceRequest.FromString(body)))
-                answer = ExportTraceServiceResponse().SerializeToString()
+                self._reply(ExportTraceServiceResponse().SerializeToString(), "application/x-protobuf")
+
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                if self.path != "/spans":
+                    self.send_error(404)
+                    return
+                self._reply(json.dumps([dataclasses.asdict(s) for s in receiver.spans]).encode(), "application/json")
+
+            def _reply(self, body: bytes, content_type: str) -> None:
                 self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", str(len(answer)))
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
-                self.wfile.write(answer)
+                self.wfile.write(body)
 
             def log_message(self, *args) -> None:  # quiet
                 pass
 
         return Handler
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="an OTLP trace receiver whose spans GET /spans lists")
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=4318)
+    parser.add_argument("--protocol", default=HTTP_PROTOBUF, choices=[HTTP_PROTOBUF])
+    args = parser.parse_args()
+    receiver = OtlpReceiver(args.protocol, args.port, args.host).start()
+    threading.Event().wait()  # serve until killed
+    receiver.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,5 +1,5 @@
 """tests/ops: compose.yaml, the images and the stack. Its helper modules (compose_model,
-otlp_receiver, stack) are imported by name, like tests/'s own."""
+stack) are imported by name, like tests/'s own."""
 
 from __future__ import annotations
 

@@ -4,6 +4,7 @@ receiver over each protocol."""
 
 from __future__ import annotations
 
+import httpx
 import pytest
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
@@ -91,7 +92,11 @@ def test_a_span_reaches_the_receiver(protocol):
             pass
         tracing.shutdown()  # flushes
         [span] = receiver.spans
+        listed = httpx.get(receiver.endpoint + "/spans").json() if protocol == HTTP_PROTOBUF else None
     assert (span.name, span.service_name, span.attributes) == ("hello", "pagedserve-worker", {"a": 1, "b": ["x", "y"]})
+    if listed is not None:  # what the compose test reads from the receiver in its container
+        assert [(s["name"], s["service_name"], s["trace_id"], s["parent_span_id"], s["links"], s["attributes"])
+                for s in listed] == [("hello", "pagedserve-worker", span.trace_id, None, [], {"a": 1, "b": ["x", "y"]})]
 
 
 def test_shutdown_with_the_collector_down_is_bounded():
