@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import subprocess
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from litestar.testing import TestClient
@@ -32,15 +34,33 @@ from pagedserve.gateway.tokenizer import PromptTokenizer
 from tiny_models import build_tokenizer
 
 
+def _container_redis_image() -> str:
+    """PAGEDSERVE_TEST_REDIS_IMAGE, else the public redis:7.4; on a machine that reaches no
+    registry (its base image local/debian:bookworm exists), local/redis:bookworm from Debian's
+    redis-server, built by ops/build-local.sh when missing."""
+    if image := os.environ.get("PAGEDSERVE_TEST_REDIS_IMAGE"):
+        return image
+
+    def exists(name: str) -> bool:
+        return subprocess.run(["docker", "image", "inspect", name], capture_output=True).returncode == 0
+
+    if not exists("local/debian:bookworm"):
+        return "redis:7.4"
+    # nor can testcontainers' reaper image be pulled there (read when testcontainers is imported)
+    os.environ.setdefault("TESTCONTAINERS_RYUK_DISABLED", "true")
+    if not exists("local/redis:bookworm"):
+        subprocess.run([str(Path(__file__).parents[2] / "ops" / "build-local.sh"), "redis"], check=True,
+                       capture_output=True, timeout=600)
+    return "local/redis:bookworm"
+
+
 class _ContainerRedis:
-    """Redis in a container (testcontainers), where a Docker engine exists. The image is
-    PAGEDSERVE_TEST_REDIS_IMAGE, else the public redis:7.4; where no registry can be reached,
-    ops/build-local.sh builds local/redis:bookworm from Debian's redis-server to name here."""
+    """Redis in a container (testcontainers), where a Docker engine exists."""
 
     def __enter__(self):
+        image = _container_redis_image()
         from testcontainers.redis import RedisContainer
 
-        image = os.environ.get("PAGEDSERVE_TEST_REDIS_IMAGE") or "redis:7.4"
         self.container = RedisContainer(image).start()
         port = self.container.get_exposed_port(6379)
         self.url = f"redis://{self.container.get_container_host_ip()}:{port}/0"
