@@ -7,13 +7,21 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
 import redis
 
 from pagedserve.common import queue_protocol as q
-from pagedserve.common.queue_protocol import WorkerInfo, decode_worker_info
+from pagedserve.common.queue_protocol import (
+    Chunk,
+    QueuedRequest,
+    WorkerInfo,
+    decode_request,
+    decode_worker_info,
+    encode,
+)
 
 API_KEYS = {"sk-test-a": "tenant-a", "sk-test-b": "tenant-b"}
 
@@ -76,3 +84,24 @@ class LiveServer:
         if self.redis is not None:
             self.redis.close()
         return self.process.returncode
+
+
+def fake_worker(redis_client, chunks: list[Chunk], taken: list[QueuedRequest] | None = None) -> threading.Thread:
+    """A thread that answers the next request queued (within 10 s) with these chunks, as a
+    worker would, for gateway tests without a model; the request it took goes into `taken`."""
+    def run():
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if entries := redis_client.xrange(q.REQUESTS):
+                request = decode_request(entries[-1][1][q.REQUEST_FIELD])
+                if taken is not None:
+                    taken.append(request)
+                redis_client.delete(q.REQUESTS)
+                for chunk in chunks:
+                    redis_client.xadd(q.output_key(request.request_id), {q.CHUNK_FIELD: encode(chunk)})
+                return
+            time.sleep(0.01)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread

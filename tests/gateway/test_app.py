@@ -23,7 +23,6 @@ from pagedserve.common.queue_protocol import (
     QueuedRequest,
     WireError,
     decode_request,
-    encode,
 )
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.entrypoints.redis_server import EmbeddedRedis
@@ -31,6 +30,7 @@ from pagedserve.gateway.app import create_app
 from pagedserve.gateway.queue_client import QueueClient
 from pagedserve.gateway.tokenizer import PromptTokenizer
 
+from serve_helpers import fake_worker
 from tiny_models import build_tokenizer
 
 
@@ -240,26 +240,6 @@ def test_drain_refuses_new_requests_and_ends_running_ones_in_time(redis_server, 
     assert redis_client.exists(q.cancelled_key(decode_request(fields[q.REQUEST_FIELD]).request_id)) == 1
 
 
-def _fake_worker(redis_client, chunks: list[Chunk]) -> threading.Thread:
-    """Answers the next queued request with these chunks, as a worker would."""
-
-    def run():
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            entries = redis_client.xrange(q.REQUESTS)
-            if entries:
-                request = decode_request(entries[-1][1][q.REQUEST_FIELD])
-                redis_client.delete(q.REQUESTS)
-                for chunk in chunks:
-                    redis_client.xadd(q.output_key(request.request_id), {q.CHUNK_FIELD: encode(chunk)})
-                return
-            time.sleep(0.01)
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    return thread
-
-
 def test_an_error_after_some_tokens(redis_server, redis_client, tokenizer_dir):
     """Not streamed: the whole answer is the error. Streamed: the tokens, then an error event."""
     app = create_app(ServeConfig(), redis_server.url, PromptTokenizer(tokenizer_dir), ("tiny",), 64, {})
@@ -268,12 +248,12 @@ def test_an_error_after_some_tokens(redis_server, redis_client, tokenizer_dir):
               Chunk(attempt=1, done=True, error=WireError(message="engine step failed", code="engine_error"))]
     body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 8}
     with TestClient(app) as http:
-        worker = _fake_worker(redis_client, chunks)
+        worker = fake_worker(redis_client, chunks)
         r = http.post("/v1/completions", json=body)
         worker.join()
         assert r.status_code == 500 and r.json()["error"] == {"message": "engine step failed", "type": "server_error",
                                                               "param": None, "code": "engine_error"}
-        worker = _fake_worker(redis_client, chunks)
+        worker = fake_worker(redis_client, chunks)
         r = http.post("/v1/completions", json={**body, "stream": True})
         worker.join()
     events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]

@@ -5,7 +5,6 @@ answer gets its status."""
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
@@ -20,14 +19,13 @@ from pagedserve.common.queue_protocol import (
     Chunk,
     CompletionDelta,
     QueuedRequest,
-    decode_request,
-    encode,
 )
 from pagedserve.entrypoints.redis_server import EmbeddedRedis
 from pagedserve.gateway.app import create_app
 from pagedserve.gateway.tokenizer import PromptTokenizer
 from pagedserve.telemetry.tracing import Tracing
 
+from serve_helpers import fake_worker
 from tiny_models import build_tokenizer
 
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
@@ -58,25 +56,6 @@ def gateway(redis_server, tmp_path):
     client.close()
 
 
-def _fake_worker(redis_client, chunks: list[Chunk], taken: list[QueuedRequest]) -> threading.Thread:
-    """Answers the next queued request with these chunks, keeping the request it took."""
-    def run():
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            if entries := redis_client.xrange(q.REQUESTS):
-                request = decode_request(entries[-1][1][q.REQUEST_FIELD])
-                taken.append(request)
-                redis_client.delete(q.REQUESTS)
-                for chunk in chunks:
-                    redis_client.xadd(q.output_key(request.request_id), {q.CHUNK_FIELD: encode(chunk)})
-                return
-            time.sleep(0.01)
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    return thread
-
-
 CHUNKS = [Chunk(attempt=1, deltas=[CompletionDelta(index=0, start=0, token_ids=[5, 6], text="ab")]),
           Chunk(attempt=1, deltas=[CompletionDelta(index=0, start=2, token_ids=[7], text="c", finish_reason="length")],
                 done=True, num_cached_tokens=0)]
@@ -86,7 +65,7 @@ CHUNKS = [Chunk(attempt=1, deltas=[CompletionDelta(index=0, start=0, token_ids=[
 def test_server_span_continues_the_client_and_goes_into_the_queue(gateway, stream):
     http, redis_client, exporter = gateway
     taken: list[QueuedRequest] = []
-    worker = _fake_worker(redis_client, CHUNKS, taken)
+    worker = fake_worker(redis_client, CHUNKS, taken)
     body = {"model": "tiny", "prompt": [1, 2, 3, 4], "max_tokens": 3, "temperature": 0, "stream": stream}
     r = http.post("/v1/completions", json=body, headers={"traceparent": TRACEPARENT})
     worker.join()
@@ -139,7 +118,7 @@ def test_off_by_default_keeps_the_clients_traceparent(redis_server, tmp_path):
     assert not app.state.gateway.tracing.enabled and app.middleware == []
     taken: list[QueuedRequest] = []
     with TestClient(app) as http:
-        worker = _fake_worker(client, CHUNKS, taken)
+        worker = fake_worker(client, CHUNKS, taken)
         r = http.post("/v1/completions", json={"model": "tiny", "prompt": [1, 2], "max_tokens": 3},
                       headers={"traceparent": TRACEPARENT})
         worker.join()
