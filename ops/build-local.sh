@@ -5,11 +5,12 @@
 # machine's CA bundle. The tags are compose.yaml's defaults, so `docker compose` (or
 # `docker-compose`) then runs these images without building.
 #
-#   ops/build-local.sh [gateway] [worker] [redis]       # default: all three
+#   ops/build-local.sh [gateway] [worker] [redis] [prometheus]   # default: all four
 #
 # Environment: BASE_IMAGE (local/debian:bookworm), TORCH_WHEEL (the CPU wheel for
 # Python 3.11), CA_BUNDLE (/etc/ssl/certs/ca-certificates.crt), PAGEDSERVE_GATEWAY_IMAGE,
-# PAGEDSERVE_WORKER_CPU_IMAGE, PAGEDSERVE_LOCAL_REDIS_IMAGE (the tags).
+# PAGEDSERVE_WORKER_CPU_IMAGE, PAGEDSERVE_LOCAL_REDIS_IMAGE, PAGEDSERVE_LOCAL_PROMETHEUS_IMAGE
+# (the tags).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -19,9 +20,10 @@ CA_BUNDLE=${CA_BUNDLE:-/etc/ssl/certs/ca-certificates.crt}
 GATEWAY_TAG=${PAGEDSERVE_GATEWAY_IMAGE:-pagedserve-gateway:0.1.0}
 WORKER_TAG=${PAGEDSERVE_WORKER_CPU_IMAGE:-pagedserve-worker:0.1.0-cpu}
 REDIS_TAG=${PAGEDSERVE_LOCAL_REDIS_IMAGE:-local/redis:bookworm}
+PROMETHEUS_TAG=${PAGEDSERVE_LOCAL_PROMETHEUS_IMAGE:-local/prometheus:bookworm}
 
 targets=("$@")
-((${#targets[@]})) || targets=(gateway worker redis)
+((${#targets[@]})) || targets=(gateway worker redis prometheus)
 
 # ops/local/ is git-ignored: only this machine's files go there, and only the build stages
 # read them (the final images copy the virtual environment, not the wheel or the bundle).
@@ -41,6 +43,7 @@ for target in "${targets[@]}"; do
       timed_build "$WORKER_TAG" -f ops/worker.Dockerfile \
         --build-arg TORCH_SPEC="/tmp/local/$wheel" --build-arg TORCH_INDEX_URL=https://pypi.org/simple ;;
     redis) timed_build "$REDIS_TAG" -f ops/redis.Dockerfile ;;
-    *) echo "unknown image $target (gateway, worker, redis)" >&2; exit 2 ;;
+    prometheus) timed_build "$PROMETHEUS_TAG" -f ops/prometheus.Dockerfile ;;
+    *) echo "unknown image $target (gateway, worker, redis, prometheus)" >&2; exit 2 ;;
   esac
 done

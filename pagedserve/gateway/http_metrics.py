@@ -17,9 +17,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from litestar import Request, Response, get
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from pagedserve.telemetry.metrics import GatewayMetrics, error_code_of
+from pagedserve.telemetry.metrics import CONTENT_TYPE, GatewayMetrics, error_code_of, exposition
 
 if TYPE_CHECKING:
     from pagedserve.gateway.app import GatewayState
@@ -48,4 +47,4 @@ def count_answers(metrics: GatewayMetrics):
 @get("/metrics", summary="Prometheus metrics of the gateway", include_in_schema=False)
 async def metrics_endpoint(request: Request) -> Response:
     state: GatewayState = request.app.state.gateway
-    return Response(content=generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    return Response(content=exposition(state.metrics.registry), media_type=CONTENT_TYPE)

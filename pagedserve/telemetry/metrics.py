@@ -14,9 +14,14 @@ This module reads what the other layers hand out (the engine's `StepStats` and
 from __future__ import annotations
 
 import json
+import logging
+import threading
+from socketserver import ThreadingMixIn
 from typing import Protocol
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 PREFIX = "pagedserve:"
 
@@ -193,3 +198,51 @@ def error_code_of(body: bytes) -> str | None:
         return None
     return code if isinstance(code, str) else None
 
+
+
+# -- exposition -----------------------------------------------------------------------------------
+logger = logging.getLogger(__name__)
+
+#: the content type of what `exposition` answers: Prometheus' text format 0.0.4
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
+
+
+def exposition(registry: CollectorRegistry) -> bytes:
+    """The registry in Prometheus' text format 0.0.4, whatever format the scraper asks for.
+
+    prometheus-client's own servers negotiate, and answer a Prometheus server (which asks
+    for OpenMetrics first) with `pagedserve_...` sample names: its OpenMetrics writer
+    replaces the colon. The names must be the same for every reader, so both the gateway's
+    /metrics and the workers' port answer this format only."""
+    return generate_latest(registry)
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format, *args) -> None:  # noqa: A002 - the base class's name
+        pass
+
+
+def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> WSGIServer | None:
+    """Serve the registry at http://host:port/metrics from a thread; None (logged) when the
+    port cannot be bound: the worker serves requests without metrics rather than not at all."""
+    def app(environ, start_response):
+        if environ.get("PATH_INFO") not in ("/metrics", "/"):
+            start_response("404 Not Found", [("Content-Type", "text/plain")])
+            return [b"not found: the metrics are at /metrics\n"]
+        body = exposition(registry)
+        start_response("200 OK", [("Content-Type", CONTENT_TYPE), ("Content-Length", str(len(body)))])
+        return [body]
+
+    try:
+        server = make_server(host, port, app, _Server, handler_class=_QuietHandler)
+    except OSError as exc:
+        logger.error("worker metrics: cannot listen on %s:%d (%s); serving without a metrics endpoint",
+                     host, port, exc)
+        return None
+    threading.Thread(target=server.serve_forever, name="metrics-server", daemon=True).start()
+    logger.info("worker metrics at http://%s:%d/metrics", host, server.server_address[1])
+    return server

@@ -21,16 +21,15 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from wsgiref.simple_server import WSGIServer
 
 import redis
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 
 from pagedserve.common.config import EngineConfig, ServeConfig
 from pagedserve.common.errors import PagedServeError
 from pagedserve.common.outputs import RequestDelta
 from pagedserve.common.queue_protocol import Chunk, WireError, WorkerInfo
-from pagedserve.telemetry.metrics import WorkerMetrics
+from pagedserve.telemetry.metrics import WorkerMetrics, serve_metrics
 from pagedserve.telemetry.tracing import Tracing
 from pagedserve.worker.engine import Engine
 from pagedserve.worker.input_processor import ResumedCompletion
@@ -357,19 +356,6 @@ def run_worker(config: ServeConfig, engine_config: EngineConfig, redis_url: str)
         if metrics_server is not None:
             metrics_server.shutdown()
             metrics_server.server_close()
-
-
-def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> WSGIServer | None:
-    """Serve the registry at http://host:port/metrics from a thread; None (logged) when the
-    port cannot be bound: the worker serves requests without metrics rather than not at all."""
-    try:
-        server, _thread = start_http_server(port, host, registry=registry)
-    except OSError as exc:
-        logger.error("worker metrics: cannot listen on %s:%d (%s); serving without a metrics endpoint",
-                     host, port, exc)
-        return None
-    logger.info("worker metrics at http://%s:%d/metrics", host, port)
-    return server
 
 
 def _drain_when_orphaned(service: WorkerService, supervisor_pid: int, interval: float = 1.0) -> None:

@@ -22,6 +22,7 @@ from compose_model import ROOT
 
 LOCAL_BASE_IMAGE = "local/debian:bookworm"
 LOCAL_REDIS_IMAGE = "local/redis:bookworm"
+LOCAL_PROMETHEUS_IMAGE = "local/prometheus:bookworm"
 
 
 def compose_command() -> list[str]:
@@ -49,14 +50,17 @@ class ComposeStack:
     def __init__(self, model_dir: Path, num_workers: int):
         self.project = f"pagedserve-test-{uuid.uuid4().hex[:8]}"
         self.num_workers = num_workers
-        self.gateway_port, self.receiver_port = free_port(), free_port()
+        self.gateway_port, self.receiver_port, prometheus_port = free_port(), free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.gateway_port}"
         self.receiver_url = f"http://127.0.0.1:{self.receiver_port}"
+        self.prometheus_url = f"http://127.0.0.1:{prometheus_port}"
         self.env = {**os.environ, "PAGEDSERVE_MODEL_SOURCE": str(model_dir), "PAGEDSERVE_MODEL": "/models",
-                    "GATEWAY_PORT": str(self.gateway_port), "RECEIVER_PORT": str(self.receiver_port)}
+                    "GATEWAY_PORT": str(self.gateway_port), "RECEIVER_PORT": str(self.receiver_port),
+                    "PROMETHEUS_PORT": str(prometheus_port)}
         self.local = _image_exists(LOCAL_BASE_IMAGE)
         if self.local:
             self.env["REDIS_IMAGE"] = LOCAL_REDIS_IMAGE
+            self.env["PROMETHEUS_IMAGE"] = LOCAL_PROMETHEUS_IMAGE
         self.command = [*compose_command(), "-p", self.project, "--project-directory", str(ROOT),
                         "-f", str(ROOT / "compose.yaml"), "-f", str(ROOT / "tests" / "ops" / "compose.test.yaml"),
                         "--profile", "cpu"]
@@ -72,7 +76,8 @@ class ComposeStack:
 
     def build(self) -> None:
         if self.local:
-            subprocess.run([str(ROOT / "ops" / "build-local.sh"), "gateway", "worker", "redis"], check=True,
+            subprocess.run([str(ROOT / "ops" / "build-local.sh"), "gateway", "worker", "redis", "prometheus"],
+                           check=True,
                            capture_output=True, timeout=1800, env=self.env)
         else:
             self.compose("build", "gateway", "worker-cpu", timeout=1800)

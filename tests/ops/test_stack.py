@@ -1,6 +1,7 @@
 """The compose stack for real (Docker): the images built, `--profile cpu` up with two CPU
 workers and a tiny model, a completion through the gateway, its trace from the gateway to
-the worker at an OTLP receiver, the counters on the gateway's /metrics and a worker's port;
+the worker at an OTLP receiver, the counters on the gateway's /metrics and a worker's port,
+Prometheus scraping the gateway and both workers;
 then a worker killed mid-stream and Redis stopped and started.
 
 The local twins: tests/ops/test_compose_file.py (the file), test_images.py (what the images
@@ -158,6 +159,33 @@ def _worker_metrics(stack: ComposeStack) -> list[dict]:
     """Each worker's metrics, read inside its container (the port is not published: scaled)."""
     code = f"import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:{WORKER_METRICS_PORT}/metrics').read().decode())"
     return [_metrics(stack.exec_python(c, code)) for c in stack.containers("worker-cpu")]
+
+
+def _prometheus(stack: ComposeStack, path: str, **params: str) -> dict:
+    reply = httpx.get(stack.prometheus_url + path, params=params, timeout=10)
+    assert reply.status_code == 200, reply.text
+    return reply.json()["data"]
+
+
+def test_prometheus_scrapes_the_gateway_and_every_worker(stack):
+    """ops/prometheus.yml as compose runs it: the gateway, and each scaled worker found by DNS."""
+    _chat(stack)
+    end = time.monotonic() + 90  # DNS discovery refreshes every 15 s, scrapes every 5 s
+    while True:
+        targets = _prometheus(stack, "/api/v1/targets")["activeTargets"]
+        up = sorted((t["labels"]["job"], t["health"]) for t in targets)
+        if up == [("pagedserve-gateway", "up")] + [("pagedserve-worker", "up")] * NUM_WORKERS:
+            break
+        assert time.monotonic() < end, f"targets never all up: {up}\n{stack.logs()}"
+        time.sleep(1)
+    end = time.monotonic() + 30  # the request's counters reach Prometheus at the next scrapes
+    while True:
+        result = _prometheus(stack, "/api/v1/query", query="count(pagedserve:num_requests_running)")["result"]
+        alive = _prometheus(stack, "/api/v1/query", query="max(pagedserve:workers_alive)")["result"]
+        if result and alive and (result[0]["value"][1], alive[0]["value"][1]) == (str(NUM_WORKERS), str(NUM_WORKERS)):
+            break
+        assert time.monotonic() < end, f"queries: {result}, {alive}"
+        time.sleep(1)
 
 
 def test_the_counters_of_one_completion_on_the_gateway_and_the_workers(stack):

@@ -117,7 +117,7 @@ def test_metrics_server_serves_the_registry_and_a_busy_port_is_logged(caplog):
 
     import httpx
 
-    from pagedserve.worker.service import serve_metrics
+    from pagedserve.telemetry.metrics import serve_metrics
 
     registry = CollectorRegistry()
     WorkerMetrics(registry, "tiny", block_size=16).count_finished("stop")
@@ -127,6 +127,11 @@ def test_metrics_server_serves_the_registry_and_a_busy_port_is_logged(caplog):
         port = server.server_address[1]
         text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
         assert 'pagedserve:request_success_total{finished_reason="stop",model_name="tiny"} 1.0' in text
+        # what a Prometheus server asks for: still the text format, the names unchanged
+        scraped = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10, headers={
+            "Accept": "application/openmetrics-text;version=1.0.0;q=0.5,text/plain;version=0.0.4;q=0.3"})
+        assert scraped.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
+        assert scraped.text == text
         with caplog.at_level("ERROR"):  # the port is taken: no server, an error, and the worker goes on
             assert serve_metrics(registry, "127.0.0.1", port) is None
         assert f"cannot listen on 127.0.0.1:{port}" in caplog.text
