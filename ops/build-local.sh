@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Build the images of compose.yaml on a machine that reaches no image registry and no PyTorch
-# index, only PyPI and Debian's mirrors: every image FROM local/debian:bookworm (see the
-# header of the shared docker-engine.sh tool), torch from a local CPU wheel, pip through this
-# machine's CA bundle. The tags are compose.yaml's defaults, so `docker compose` (or
+# index, only PyPI and Debian's mirrors: every image FROM a local Debian base image (made
+# with debootstrap and `docker import`, tagged local/debian:bookworm), torch from a local CPU
+# wheel, pip through this machine's CA bundle. The defaults below are the development
+# machine's paths; set the variables for yours. The tags are compose.yaml's defaults, so `docker compose` (or
 # `docker-compose`) then runs these images without building.
 #
 #   ops/build-local.sh [gateway] [worker] [redis] [prometheus]   # default: all four

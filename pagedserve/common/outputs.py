@@ -47,7 +47,7 @@ class RequestMetrics(msgspec.Struct):
     arrival_time: float  # added to the engine
     first_token_time: float | None = None  # its first output token was sampled
     finished_time: float | None = None  # its last completion ended
-    num_preemptions: int = 0  # times its sequences were preempted (their KV dropped and recomputed)
+    num_preemptions: int = 0  # the most times one of its sequences was preempted (its KV dropped and recomputed)
 
     @property
     def time_to_first_token(self) -> float | None:

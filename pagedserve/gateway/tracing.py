@@ -11,6 +11,7 @@ middleware and `span_of` returns None: the helpers below then do nothing.
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
@@ -82,7 +83,9 @@ class ServerSpanMiddleware:
         try:
             await self.app(scope, receive, traced_send)
         except BaseException as exc:
-            if status is None:  # raised before an answer began: the exception handlers answer it
+            if status is None and isinstance(exc, asyncio.CancelledError):
+                status = 499  # the client went away before the answer: not the server's error
+            elif status is None:  # raised before an answer began: the exception handlers answer it
                 status = _status_of(exc)
                 span.record_exception(exc)
             raise

@@ -54,7 +54,7 @@ class Engine:
                                               config.max_n, self._eos_token_ids(), self.runner.device)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = StepStatsCollector(self.kv_manager.pool.stats)
-        self.last_step: StepStats | None = None  # what the latest step did (None: it computed nothing)
+        self.last_step: StepStats | None = None  # what the latest step did (None: it computed nothing, or failed)
 
     def _eos_token_ids(self) -> frozenset[int]:
         ids: set[int] = set()
@@ -95,13 +95,15 @@ class Engine:
             if seq is not None:
                 self.scheduler.add_request(seq)
 
-    def abort_request(self, request_id: str) -> RequestDelta | None:
-        """End a request at once, wherever it is; its blocks go back to the pool."""
+    def abort_request(self, request_id: str, finish_reason: str = "abort", record: bool = True) -> RequestDelta | None:
+        """End a request at once, wherever it is; its blocks go back to the pool. Its unfinished
+        completions end with `finish_reason` ("abort", or "error" when it could not run);
+        `record` False leaves it out of `pop_finished` (another worker carries it on)."""
         if request_id not in self.output_processor:
             return None
         self.scheduler.finish_requests(self.output_processor.sequence_ids(request_id), RequestStatus.FINISHED_ABORTED)
-        delta = self.output_processor.end(request_id, "abort")
-        if delta is not None:
+        delta = self.output_processor.end(request_id, finish_reason)
+        if delta is not None and record:
             self.stats.finished(delta)
         return delta
 

@@ -57,7 +57,7 @@ class _RequestState:
     arrival_time: float
     first_token_time: float | None = None
     num_cached_tokens: int = 0
-    num_preemptions: int = 0  # over its sequences
+    num_preemptions: int = 0  # the most of any of its sequences
 
     @property
     def finished(self) -> bool:

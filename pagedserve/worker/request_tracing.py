@@ -51,6 +51,9 @@ class NoRequestTraces:
                 running: Container[str]) -> None:
         """After a pass: the latest step, the requests that ended, the requests still running."""
 
+    def close(self) -> None:
+        """The worker stops: end the spans of the requests still open."""
+
 
 class RequestTraces(NoRequestTraces):
     """The spans of one worker's requests and steps."""
@@ -61,7 +64,6 @@ class RequestTraces(NoRequestTraces):
         self.worker_id = worker_id
         self.model = model
         self.spans: dict[str, _Open] = {}  # request id → its open request span (only while it runs here)
-        self._last_step: StepStats | None = None  # the step already traced (the engine keeps it across passes)
 
     def start(self, request: QueuedRequest, attempt: int) -> None:
         parent = t.extract(request.traceparent)
@@ -101,8 +103,7 @@ class RequestTraces(NoRequestTraces):
     def observe(self, step: StepStats | None, finished: Iterable[FinishedRequestStats],
                 running: Container[str]) -> None:
         offset_ns = time.time_ns() - time.monotonic_ns()  # monotonic → unix nanoseconds
-        if step is not None and step is not self._last_step:
-            self._last_step = step
+        if step is not None:
             self._step_span(step, offset_ns)
         for stats in finished:
             open_ = self.spans.pop(stats.request_id, None)
@@ -111,6 +112,12 @@ class RequestTraces(NoRequestTraces):
         # A request the service dropped without an engine end (settled on resume, lost): end it.
         for request_id in [r for r in self.spans if r not in running]:
             self.spans.pop(request_id).span.end()
+
+    def close(self) -> None:
+        for open_ in self.spans.values():
+            open_.span.set_status(Status(StatusCode.ERROR, "the worker stopped"))
+            open_.span.end()
+        self.spans.clear()
 
     def _end(self, span: Span, stats: FinishedRequestStats, offset_ns: int) -> None:
         span.set_attributes({

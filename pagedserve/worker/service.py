@@ -72,7 +72,9 @@ class WorkerService:
         self.last_pass = time.monotonic()  # when the loop last completed a pass (the heartbeat's liveness)
         self.num_cancelled = 0
         self.num_taken_over = 0
-        self.traces = request_traces(tracing, self.worker_id, engine.config.model)  # spans (no-ops when off)
+        # spans (no-ops when off), under the name clients ask for, as the gateway's and the metrics'
+        self.traces = request_traces(tracing, self.worker_id, config.served_model_name or engine.config.model)
+        engine.stats.keep_finished = True  # this service pops them every pass (`_observe`)
 
     # -- lifecycle -------------------------------------------------------------------------
     def run(self) -> None:
@@ -103,6 +105,7 @@ class WorkerService:
                 if self.queue.wait(0.5):
                     break
             self.last_pass = time.monotonic()
+        self.traces.close()  # spans of requests still here (Redis gone while draining) end now
         self.queue.stop()
 
     def loop_alive(self) -> bool:
@@ -140,11 +143,13 @@ class WorkerService:
         self._expire_deadlines()
         if self._drain_deadline is not None:
             if not self.running:
+                self._observe(None)  # what this pass's aborts and cancellations ended
                 return False
             if time.monotonic() >= self._drain_deadline:
                 for run in list(self.running.values()):
                     self._end(run, WireError(message="the worker shut down before this request finished",
                                              type="server_error", code="worker_shutdown", status_code=503))
+                self._observe(None)
                 self.queue.flush()
                 return False
         else:
@@ -235,7 +240,7 @@ class WorkerService:
             return
         except Exception as exc:  # a bug must fail this request, not the worker
             logger.exception("could not start request %s", request.request_id)
-            if self.engine.abort_request(request.request_id) is None:  # else the engine reports its end
+            if self.engine.abort_request(request.request_id, "error") is None:  # else the engine reports its end
                 self._count_unstarted("error", request.params.n)
             self._end(run, WireError(message=f"the worker could not start the request: {type(exc).__name__}",
                                      code="internal_error"), started=False)
@@ -276,7 +281,7 @@ class WorkerService:
         lost = self.queue.lost_entries()
         for run in [r for r in self.running.values() if (r.stream, r.entry_id) in lost]:
             logger.warning("request %s was taken over by another worker; dropping it here", run.request_id)
-            self._forget(run)
+            self._forget(run, record=False)  # the worker that took it over counts it
 
     def _expire_deadlines(self) -> None:
         now = time.time()
@@ -286,8 +291,8 @@ class WorkerService:
     def _owned_changed(self) -> None:
         self.queue.set_owned(OwnedEntry(r.stream, r.entry_id, r.request_id) for r in self.running.values())
 
-    def _forget(self, run: _Running) -> None:
-        self.engine.abort_request(run.request_id)
+    def _forget(self, run: _Running, record: bool = True) -> None:
+        self.engine.abort_request(run.request_id, record=record)
         self.running.pop(run.request_id, None)
         self._owned_changed()
 
@@ -344,6 +349,8 @@ def run_worker(config: ServeConfig, engine_config: EngineConfig, redis_url: str)
         registry = CollectorRegistry()  # this process's own, never prometheus_client's global one
         metrics = WorkerMetrics(registry, config.served_model_name or engine_config.model, engine.config.block_size)
         metrics_server = serve_metrics(registry, config.worker_metrics_host, config.worker_metrics_port)
+        if metrics_server is None:  # nobody could read them: keep none
+            metrics = None
     tracing = Tracing.from_env("pagedserve-worker")
     service = WorkerService(engine, config, redis_url, tracing=tracing, metrics=metrics)
     service.install_signal_handlers()

@@ -27,7 +27,7 @@ class FinishedRequestStats:
     num_prompt_tokens: int
     num_output_tokens: int  # over all completions, tokens generated before a resume included
     num_cached_tokens: int  # prompt tokens served from the prefix cache
-    num_preemptions: int  # times its sequences were preempted (recomputed) here
+    num_preemptions: int  # the most times one of its sequences was preempted (recomputed) here
     arrival_time: float  # added to the engine
     first_token_time: float | None  # its first token was sampled here (None: none was)
     finished_time: float
@@ -72,6 +72,9 @@ class StepStatsCollector:
     request's last token time and the prefix cache counters at the previous step."""
 
     prefix_stats: PrefixCacheStats  # the block pool's counters (read, never written)
+    # whether ended requests are kept for `pop_finished`: only a reader that pops them (the
+    # worker service) turns it on, so that in-process use (LLM.generate) keeps nothing
+    keep_finished: bool = False
     _last_token: dict[str, float] = field(default_factory=dict)  # request id → its last token's time
     _queries: int = 0  # prefix_stats at the previous step
     _hits: int = 0
@@ -117,12 +120,12 @@ class StepStatsCollector:
         """Record a request's end from its final delta (a step's, an abort's or a failure's)."""
         self._last_token.pop(delta.request_id, None)
         output = delta.output
-        if output is None or output.metrics is None:
+        if not self.keep_finished or output is None or output.metrics is None:
             return
         metrics = output.metrics
         self._finished.append(FinishedRequestStats(
             request_id=output.request_id,
-            finish_reasons=tuple(c.finish_reason or "abort" for c in output.outputs),
+            finish_reasons=tuple(c.finish_reason or "abort" for c in output.outputs),  # an ended one has a reason
             num_prompt_tokens=len(output.prompt_token_ids),
             num_output_tokens=sum(len(c.token_ids) for c in output.outputs),
             num_cached_tokens=output.num_cached_tokens,

@@ -15,6 +15,7 @@ MODEL = {"model_name": "tiny"}
 def _run(engine, metrics: WorkerMetrics) -> int:
     """Step until done, observing as the worker service does; returns the steps run."""
     steps = 0
+    engine.stats.keep_finished = True  # as the worker service does
     while engine.has_unfinished_requests():
         engine.step()
         if engine.last_step is not None:
@@ -82,6 +83,7 @@ def test_preemptions_are_counted(tiny_checkpoint):
         engine.add_request(f"r{i}", list(range(10 * i + 1, 10 * i + 6)),
                            SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
     preempted_in_steps = 0
+    engine.stats.keep_finished = True  # as the worker service does
     while engine.has_unfinished_requests():
         engine.step()
         if engine.last_step is not None:

@@ -19,6 +19,7 @@ def _run(engine) -> list:
 def test_step_stats_count_tokens_requests_and_prefix_hits(tiny_checkpoint):
     engine = LLM(str(tiny_checkpoint("llama-gqa")), kv_cache_memory=1 << 22, block_size=16,
                  max_num_batched_tokens=64).engine
+    engine.stats.keep_finished = True  # as the worker service does
     shared = list(range(3, 3 + 40))  # two full blocks and 8 tokens
     engine.add_request("a", shared, GREEDY)
     steps = _run(engine)
@@ -48,6 +49,7 @@ def test_step_stats_count_tokens_requests_and_prefix_hits(tiny_checkpoint):
 
 def test_aborts_and_n_completions_are_recorded(tiny_checkpoint):
     engine = LLM(str(tiny_checkpoint("llama-gqa")), kv_cache_memory=1 << 22).engine
+    engine.stats.keep_finished = True
     engine.add_request("two", [5, 6, 7], SamplingParams(n=2, max_tokens=3, temperature=0.0, ignore_eos=True))
     engine.add_request("gone", [8, 9], GREEDY)
     engine.step()
@@ -62,3 +64,20 @@ def test_aborts_and_n_completions_are_recorded(tiny_checkpoint):
     assert by_id["two"].finish_reasons == ("length", "length") and by_id["two"].num_output_tokens == 6
     engine.step()  # nothing left: the step computes nothing
     assert engine.last_step is None
+
+
+def test_in_process_use_keeps_no_finished_stats(tiny_checkpoint):
+    llm = LLM(str(tiny_checkpoint("llama-gqa")), kv_cache_memory=1 << 22)
+    llm.generate([[4, 5, 6], [7, 8]], GREEDY)
+    assert llm.engine.pop_finished() == []  # nobody pops them in-process: none are kept
+
+
+def test_an_error_abort_and_an_unrecorded_abort(tiny_checkpoint):
+    engine = LLM(str(tiny_checkpoint("llama-gqa")), kv_cache_memory=1 << 22).engine
+    engine.stats.keep_finished = True
+    engine.add_request("failed", [4, 5, 6], GREEDY)
+    engine.add_request("moved", [7, 8], GREEDY)
+    engine.step()
+    assert engine.abort_request("failed", "error").output.outputs[0].finish_reason == "error"
+    assert engine.abort_request("moved", record=False) is not None  # another worker carries it on
+    assert [(f.request_id, f.finish_reasons) for f in engine.pop_finished()] == [("failed", ("error",))]

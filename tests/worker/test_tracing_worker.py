@@ -11,7 +11,7 @@ import time
 
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.trace import SpanKind
+from opentelemetry.trace import SpanKind, StatusCode
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.common.config import ServeConfig
@@ -129,3 +129,21 @@ def test_off_makes_no_spans(tiny_checkpoint):
         service = WorkerService(engine, ServeConfig(), redis_server.url)
         assert type(service.traces) is NoRequestTraces
         service.queue.stop()
+
+
+def test_spans_still_open_when_the_worker_stops_are_ended():
+    from pagedserve.worker.request_tracing import request_traces
+
+    exporter = InMemorySpanExporter()
+    tracing = Tracing.with_processors("pagedserve-worker", [SimpleSpanProcessor(exporter)])
+    traces = request_traces(tracing, "w1", "tiny")
+    request = QueuedRequest(request_id="r0", prompt_token_ids=[1, 2], deadline=time.time() + 60,
+                            params=SamplingParams(max_tokens=2))
+    traces.start(request, attempt=1)
+    assert [s.name for s in exporter.get_finished_spans()] == []  # no enqueued_at: no queue span
+    traces.close()
+    (span,) = exporter.get_finished_spans()
+    assert (span.name, span.status.status_code, span.status.description) == (
+        "pagedserve.request", StatusCode.ERROR, "the worker stopped")
+    traces.close()  # nothing left: no second end
+    assert len(exporter.get_finished_spans()) == 1
