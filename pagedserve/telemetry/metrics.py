@@ -8,7 +8,7 @@ counters. No label takes a value per request: `model_name` is one value per proc
 status codes and error codes from fixed sets (anything else becomes "other").
 
 This module reads what the other layers hand out (the engine's `StepStats` and
-`FinishedRequestStats`, duck-typed here: telemetry sits below the worker) and never changes it.
+`FinishedRequestStats`, from common) and never changes it.
 """
 
 from __future__ import annotations
@@ -17,11 +17,14 @@ import json
 import logging
 import threading
 from socketserver import ThreadingMixIn
-from typing import Protocol
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+
+from pagedserve.common.step_stats import FinishedRequestStats, StepStats
+
+logger = logging.getLogger(__name__)
 
 PREFIX = "pagedserve:"
 
@@ -46,40 +49,6 @@ REJECTION_REASONS = frozenset({
 OTHER = "other"
 #: routes whose 503 is a probe's answer, not a refused request: never in requests_rejected_total
 PROBE_ROUTES = frozenset({"/health", "/ready", "/metrics"})
-
-
-class _StepStats(Protocol):
-    """What `observe_step` reads of `pagedserve.worker.step_stats.StepStats` (read-only)."""
-
-    @property
-    def num_prompt_tokens(self) -> int: ...
-    @property
-    def num_generated_tokens(self) -> int: ...
-    @property
-    def num_preempted(self) -> int: ...
-    @property
-    def num_running(self) -> int: ...
-    @property
-    def num_waiting(self) -> int: ...
-    @property
-    def kv_cache_usage(self) -> float: ...
-    @property
-    def prefix_cache_queries(self) -> int: ...
-    @property
-    def prefix_cache_hits(self) -> int: ...
-    @property
-    def inter_token_latencies(self) -> tuple[float, ...]: ...
-
-
-class _FinishedRequestStats(Protocol):
-    """What `observe_finished` reads of `pagedserve.worker.step_stats.FinishedRequestStats`."""
-
-    @property
-    def finish_reasons(self) -> tuple[str, ...]: ...
-    @property
-    def time_to_first_token(self) -> float | None: ...
-    @property
-    def e2e_latency(self) -> float: ...
 
 
 class WorkerMetrics:
@@ -128,7 +97,7 @@ class WorkerMetrics:
         self.waiting.set(num_waiting)
         self.kv_usage.set(kv_cache_usage)
 
-    def observe_step(self, step: _StepStats) -> None:
+    def observe_step(self, step: StepStats) -> None:
         self.set_state(step.num_running, step.num_waiting, step.kv_cache_usage)
         if step.prefix_cache_queries:
             self.prefix_queries.inc(step.prefix_cache_queries * self.block_size)
@@ -143,7 +112,7 @@ class WorkerMetrics:
         for latency in step.inter_token_latencies:
             self.itl.observe(latency)
 
-    def observe_finished(self, finished: _FinishedRequestStats) -> None:
+    def observe_finished(self, finished: FinishedRequestStats) -> None:
         """A request that ended in the engine: one success count per completion (as vLLM
         counts each of n samples), one TTFT and one e2e latency per request."""
         for reason in finished.finish_reasons:
@@ -199,10 +168,7 @@ def error_code_of(body: bytes) -> str | None:
     return code if isinstance(code, str) else None
 
 
-
 # -- exposition -----------------------------------------------------------------------------------
-logger = logging.getLogger(__name__)
-
 #: the content type of what `exposition` answers: Prometheus' text format 0.0.4
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 

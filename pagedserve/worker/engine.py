@@ -24,12 +24,13 @@ from pagedserve.common.errors import InvalidParameterError
 from pagedserve.common.model_store import resolve_model
 from pagedserve.common.outputs import RequestDelta
 from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.common.step_stats import FinishedRequestStats, StepStats
 from pagedserve.plugins import load_plugin
 from pagedserve.worker.input_processor import InputProcessor, ResumedCompletion
 from pagedserve.worker.kv_cache_manager import KVCacheManager
 from pagedserve.worker.model_runner import ModelRunner
 from pagedserve.worker.output_processor import OutputProcessor
-from pagedserve.worker.step_stats import FinishedRequestStats, StepStats, StepStatsCollector
+from pagedserve.worker.step_stats import StepStatsCollector
 
 logger = logging.getLogger(__name__)
 

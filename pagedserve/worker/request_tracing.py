@@ -22,9 +22,9 @@ from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode
 from opentelemetry.util.types import AttributeValue
 
 from pagedserve.common.queue_protocol import QueuedRequest, WireError
+from pagedserve.common.step_stats import FinishedRequestStats, StepStats
 from pagedserve.telemetry import tracing as t
 from pagedserve.telemetry.tracing import Tracing
-from pagedserve.worker.step_stats import FinishedRequestStats, StepStats
 
 _NS = 1_000_000_000
 #: an empty context: a step span is a root, whatever span is current

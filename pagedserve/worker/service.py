@@ -29,13 +29,13 @@ from pagedserve.common.config import EngineConfig, ServeConfig
 from pagedserve.common.errors import PagedServeError
 from pagedserve.common.outputs import RequestDelta
 from pagedserve.common.queue_protocol import Chunk, WireError, WorkerInfo
+from pagedserve.common.step_stats import FinishedRequestStats, StepStats
 from pagedserve.telemetry.metrics import WorkerMetrics, serve_metrics
 from pagedserve.telemetry.tracing import Tracing
 from pagedserve.worker.engine import Engine
 from pagedserve.worker.input_processor import ResumedCompletion
 from pagedserve.worker.queue_consumer import OwnedEntry, QueueConsumer, TakenEntry
 from pagedserve.worker.request_tracing import request_traces
-from pagedserve.worker.step_stats import FinishedRequestStats, StepStats
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,5 @@
 """What the engine did, for the worker's metrics and traces: made once, read by both.
+The records (`StepStats`, `FinishedRequestStats`) are in `pagedserve/common/step_stats.py`.
 
 After each step the engine's `StepStatsCollector` hands out a `StepStats` (`Engine.last_step`);
 every request that ends, by finishing, an abort or a failed step, leaves a
@@ -15,54 +16,8 @@ from dataclasses import dataclass, field
 
 from pagedserve.common.contracts import SchedulerOutput
 from pagedserve.common.outputs import RequestDelta
+from pagedserve.common.step_stats import FinishedRequestStats, StepStats
 from pagedserve.prefix_cache.block_pool import PrefixCacheStats
-
-
-@dataclass(slots=True, frozen=True)
-class FinishedRequestStats:
-    """One caller request that ended on this worker."""
-
-    request_id: str
-    finish_reasons: tuple[str, ...]  # one per completion: "stop", "length", "abort" or "error"
-    num_prompt_tokens: int
-    num_output_tokens: int  # over all completions, tokens generated before a resume included
-    num_cached_tokens: int  # prompt tokens served from the prefix cache
-    num_preemptions: int  # the most times one of its sequences was preempted (recomputed) here
-    arrival_time: float  # added to the engine
-    first_token_time: float | None  # its first token was sampled here (None: none was)
-    finished_time: float
-    error: str | None = None  # why it failed, when the engine could not serve it
-
-    @property
-    def time_to_first_token(self) -> float | None:
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
-
-    @property
-    def e2e_latency(self) -> float:
-        return self.finished_time - self.arrival_time
-
-
-@dataclass(slots=True, frozen=True)
-class StepStats:
-    """One engine step: what it computed and the state it left."""
-
-    started: float  # when scheduling began
-    ended: float  # when the step's outputs were made
-    request_ids: tuple[str, ...]  # the caller requests it computed for, each once, in scheduling order
-    num_batched_tokens: int  # tokens computed (prefill chunks and decodes)
-    num_prompt_tokens: int  # prompt lengths of the requests whose first token came this step (as vLLM counts)
-    num_generated_tokens: int  # tokens sampled
-    num_preempted: int  # sequences preempted by this step's scheduling
-    num_running: int  # sequences admitted and unfinished, after the step
-    num_waiting: int  # sequences not yet admitted, after the step
-    kv_cache_usage: float  # share of the KV blocks in use, after the step (0..1)
-    prefix_cache_queries: int  # blocks looked up in the prefix cache during the step
-    prefix_cache_hits: int  # of those, blocks found
-    inter_token_latencies: tuple[float, ...]  # per request that had a token before: seconds since its last one
-
-    @property
-    def duration(self) -> float:
-        return self.ended - self.started
 
 
 @dataclass
@@ -92,17 +47,14 @@ class StepStatsCollector:
         num_prompt = num_generated = 0
         latencies = []
         for delta in deltas:
-            new_tokens = sum(len(d.token_ids) for d in delta.deltas)
-            if not new_tokens:
-                continue
-            num_generated += new_tokens
-            last = self._last_token.get(delta.request_id)
-            if last is None:
-                num_prompt += prompt_lengths.get(delta.request_id, 0)
-            else:
-                latencies.append(now - last)
-            self._last_token[delta.request_id] = now
-        for delta in deltas:
+            if new_tokens := sum(len(d.token_ids) for d in delta.deltas):
+                num_generated += new_tokens
+                last = self._last_token.get(delta.request_id)
+                if last is None:
+                    num_prompt += prompt_lengths.get(delta.request_id, 0)
+                else:
+                    latencies.append(now - last)
+                self._last_token[delta.request_id] = now
             if delta.finished:
                 self.finished(delta)
         queries, hits = self.prefix_stats.num_queries, self.prefix_stats.num_hits

@@ -12,15 +12,15 @@ from pagedserve.telemetry.metrics import FINISHED_REASONS, WorkerMetrics
 MODEL = {"model_name": "tiny"}
 
 
-def _run(engine, metrics: WorkerMetrics) -> int:
-    """Step until done, observing as the worker service does; returns the steps run."""
-    steps = 0
+def _run(engine, metrics: WorkerMetrics) -> list:
+    """Step until done, observing as the worker service does; returns the steps' StepStats."""
+    steps = []
     engine.stats.keep_finished = True  # as the worker service does
     while engine.has_unfinished_requests():
         engine.step()
         if engine.last_step is not None:
             metrics.observe_step(engine.last_step)
-            steps += 1
+            steps.append(engine.last_step)
         for finished in engine.pop_finished():
             metrics.observe_finished(finished)
     return steps
@@ -82,15 +82,7 @@ def test_preemptions_are_counted(tiny_checkpoint):
     for i in range(3):
         engine.add_request(f"r{i}", list(range(10 * i + 1, 10 * i + 6)),
                            SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
-    preempted_in_steps = 0
-    engine.stats.keep_finished = True  # as the worker service does
-    while engine.has_unfinished_requests():
-        engine.step()
-        if engine.last_step is not None:
-            metrics.observe_step(engine.last_step)
-            preempted_in_steps += engine.last_step.num_preempted
-        for finished in engine.pop_finished():
-            metrics.observe_finished(finished)
+    preempted_in_steps = sum(step.num_preempted for step in _run(engine, metrics))
     assert engine.scheduler.num_preemptions > 0
     assert _value(registry, "num_preemptions_total") == preempted_in_steps == engine.scheduler.num_preemptions
     assert _value(registry, "request_success_total", finished_reason="length") == 3

@@ -16,11 +16,11 @@ from opentelemetry.trace import SpanKind, StatusCode
 from pagedserve import LLM, SamplingParams
 from pagedserve.common.config import ServeConfig
 from pagedserve.common.queue_protocol import QueuedRequest
+from pagedserve.common.step_stats import StepStats
 from pagedserve.entrypoints.redis_server import EmbeddedRedis
 from pagedserve.gateway.queue_client import QueueClient
 from pagedserve.telemetry.tracing import Tracing
 from pagedserve.worker.service import WorkerService
-from pagedserve.worker.step_stats import StepStats
 
 TRACE_IDS = ["0af7651916cd43dd8448eb211c80319c", "4bf92f3577b34da6a3ce929d0e0e4736"]
 GATEWAY_SPAN = "b7ad6b7169203331"
