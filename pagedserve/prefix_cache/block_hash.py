@@ -63,3 +63,24 @@ def hash_block(parent_hash: bytes | None, token_ids: Sequence[int], extra: bytes
     h.update(tokens.tobytes())
     h.update(extra)
     return h.digest()
+
+
+def extra_keys_for(model_id: str, cache_salt: str | None) -> bytes:
+    """The encoded extra keys of every block hash of one model and tenant salt."""
+    keys = [ExtraKey(ExtraKeyKind.MODEL_ID, model_id)]
+    if cache_salt is not None:
+        keys.append(ExtraKey(ExtraKeyKind.TENANT_SALT, cache_salt))
+    return encode_extra_keys(keys)
+
+
+def prompt_block_hashes(token_ids: Sequence[int], block_size: int, model_id: str,
+                        cache_salt: str | None = None) -> list[bytes]:
+    """The chained hashes of every full block of a prompt, exactly as a worker's KV cache
+    manager computes them (the gateway uses this to ask the index who holds a prompt)."""
+    extra = extra_keys_for(model_id, cache_salt)
+    hashes: list[bytes] = []
+    parent: bytes | None = None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block(parent, token_ids[start : start + block_size], extra)
+        hashes.append(parent)
+    return hashes

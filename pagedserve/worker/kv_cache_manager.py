@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pagedserve.common.contracts import PrefixHit, Request, RequestStatus
-from pagedserve.prefix_cache import Block, BlockPool, ExtraKey, ExtraKeyKind
-from pagedserve.prefix_cache.block_hash import encode_extra_keys, hash_block
+from pagedserve.prefix_cache import Block, BlockPool
+from pagedserve.prefix_cache.block_hash import extra_keys_for, hash_block
 
 _NO_HIT = PrefixHit(0, 0)
 
@@ -53,10 +53,7 @@ class KVCacheManager:
         """The encoded extra keys of every block hash: the model id and the tenant's salt."""
         extra = self._extra_by_salt.get(cache_salt)
         if extra is None:
-            keys = [ExtraKey(ExtraKeyKind.MODEL_ID, self.model_id)]
-            if cache_salt is not None:
-                keys.append(ExtraKey(ExtraKeyKind.TENANT_SALT, cache_salt))
-            extra = self._extra_by_salt[cache_salt] = encode_extra_keys(keys)
+            extra = self._extra_by_salt[cache_salt] = extra_keys_for(self.model_id, cache_salt)
         return extra
 
     def _ensure_hashes(self, request: Request, num_blocks: int) -> list[bytes]:

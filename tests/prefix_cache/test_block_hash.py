@@ -60,3 +60,23 @@ def test_salts_and_key_kinds_never_collide():
 def test_large_token_ids_are_encoded_exactly():
     assert hash_block(None, [2**40], b"") != hash_block(None, [0], b"")
     assert hash_block(None, [1, 2], b"") != hash_block(None, [2, 1], b"")
+
+
+def test_prompt_block_hashes_match_the_kv_cache_manager():
+    """The gateway's hashes of a prompt are the worker's, for every tenant salt."""
+    from pagedserve.common.contracts import Request
+    from pagedserve.common.sampling_params import SamplingParams
+    from pagedserve.prefix_cache.block_hash import prompt_block_hashes
+    from pagedserve.worker.kv_cache_manager import KVCacheManager
+
+    tokens = list(range(100, 150))  # 3 full blocks of 16 and 2 tokens over
+    for salt in (None, "tenant-a"):
+        manager = KVCacheManager(num_blocks=8, block_size=16, enable_caching=True, model_id="m")
+        request = Request(request_id="r", prompt_token_ids=tokens, sampling_params=SamplingParams(max_tokens=1), eos_token_ids=frozenset(), max_tokens=1,
+                          cache_salt=salt)
+        expected = manager._ensure_hashes(request, 3)
+        assert prompt_block_hashes(tokens, 16, "m", salt) == expected
+        assert len(expected) == 3
+    assert prompt_block_hashes(tokens, 16, "m", None) != prompt_block_hashes(tokens, 16, "m", "tenant-a")
+    assert prompt_block_hashes(tokens, 16, "m", None) != prompt_block_hashes(tokens, 16, "other", None)
+    assert prompt_block_hashes(tokens[:15], 16, "m") == []

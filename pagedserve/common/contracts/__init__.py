@@ -20,6 +20,14 @@ from pagedserve.common.contracts.model import (
     Kernels,
 )
 from pagedserve.common.contracts.request import Request, RequestStatus
+from pagedserve.common.contracts.routing import (
+    PrefixLookup,
+    RouteDecision,
+    RouteReason,
+    RouterPlugin,
+    RoutingInput,
+    WorkerCandidate,
+)
 from pagedserve.common.contracts.runner import (
     ModelInput,
     RunnerOutput,
@@ -49,10 +57,15 @@ __all__ = [
     "Kernels",
     "ModelInput",
     "PrefixHit",
+    "PrefixLookup",
     "Request",
     "RequestDelta",
     "RequestOutput",
     "RequestStatus",
+    "RouteDecision",
+    "RouteReason",
+    "RouterPlugin",
+    "RoutingInput",
     "RunnerOutput",
     "SampledLogprobs",
     "SamplerOutput",
@@ -62,4 +75,5 @@ __all__ = [
     "SchedulerOutput",
     "SchedulerPlugin",
     "SequenceUpdate",
+    "WorkerCandidate",
 ]
