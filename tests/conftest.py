@@ -57,6 +57,7 @@ TINY_MODELS = {
     "qwen2": ("qwen2", {"num_attention_heads": 3, "num_key_value_heads": 1, "hidden_size": 96, "head_dim": 32}),
     "qwen3": ("qwen3", {"num_attention_heads": 7, "num_key_value_heads": 1, "hidden_size": 112, "head_dim": 16}),
     "mistral": ("mistral", {}),
+    "llama-tied": ("llama", {"tie_word_embeddings": True}),  # the LM head is the embedding, as in SmolLM2
 }
 
 

@@ -1,4 +1,4 @@
-"""The `pagedserve bench offline|serve|chaos` subcommands, hooked into the `pagedserve` parser by
+"""The `pagedserve bench offline|latency|serve|chaos` subcommands, hooked into the `pagedserve` parser by
 `add_bench_parsers`. The runners import lazily, so `pagedserve --help` loads no torch (the
 chaos module imports only the standard library until it runs)."""
 
@@ -13,6 +13,12 @@ from pagedserve.common.config import DEFAULT_MODEL
 
 def _bench_offline(args: argparse.Namespace) -> int:
     from pagedserve.bench.offline import run
+
+    return run(args)
+
+
+def _bench_latency(args: argparse.Namespace) -> int:
+    from pagedserve.bench.latency import run
 
     return run(args)
 
@@ -41,7 +47,23 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:
     offline.add_argument("--peers", default="", help="comma list of peers to run: generate,generate_batch")
     offline.add_argument("--json", action="store_true", help="also print the rows as JSON")
     offline.add_argument("--plot", default=None, metavar="FILE.png", help="throughput-latency curve and percentiles")
+    offline.add_argument("--profile", action="store_true",
+                         help="instead of a workload: where a decode step's time goes (bench/step_profile.py), "
+                              "default engine and --enforce-eager")
+    offline.add_argument("--profile-batches", default="1,64", help="batch sizes to profile (comma list)")
+    offline.add_argument("--profile-prompt", type=int, default=128, help="prompt tokens of each profiled request")
+    offline.add_argument("--profile-steps", type=int, default=32, help="decode steps timed per batch size")
     offline.set_defaults(func=_bench_offline)
+
+    latency = bench.add_parser("latency", help="one request alone (batch-1 decode, TTFT) against llama.cpp")
+    latency.add_argument("--model", default=DEFAULT_MODEL)
+    latency.add_argument("--threads", type=int, default=2)
+    latency.add_argument("--tokens", type=int, default=64, help="decode tokens (llama-bench -n)")
+    latency.add_argument("--prompt", type=int, default=128, help="prompt tokens for TTFT (llama-bench -p)")
+    latency.add_argument("--repeat", type=int, default=3)
+    latency.add_argument("--llama-cpp", default=None, metavar="DIR", help="folder with llama.cpp's llama-bench")
+    latency.add_argument("--gguf", default=None, help="the same model as a float32 GGUF, for llama.cpp")
+    latency.set_defaults(func=_bench_latency)
 
     online = bench.add_parser("serve", help="online benchmark of any OpenAI-compatible server, streaming")
     online.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")

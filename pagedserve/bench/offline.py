@@ -2,6 +2,7 @@
 (pagedserve.bench.workloads), in this process.
 
     pagedserve bench offline --workload fixed|mixed|shared-prefix [--dtype D] [--compare transformers]
+    pagedserve bench offline --profile [--profile-batches 1,64]   # where a decode step's time goes
 
 Prints output and total tok/s for pagedserve and, in the same run, for transformers'
 static-batch `generate` and `generate_batch`; the ratios; TTFT; and the share of the
@@ -117,6 +118,10 @@ def run_hf_generate_batch(args, prompts, out_lens):
 
 def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
+    if args.profile:
+        from pagedserve.bench.step_profile import run_profile
+
+        return run_profile(args)
     if args.compare == "transformers" and not args.peers:
         args.peers = "generate,generate_batch"
     from transformers import AutoConfig

@@ -32,8 +32,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     scheduler: str = "fair"  # entry point in pagedserve.schedulers (fair: fcfs within a tenant, shares across tenants)
     sampler: str = "default"  # entry point in pagedserve.samplers
     attention_backend: str = "auto"  # auto (triton on CUDA, cpu on CPU) | torch | cpu | triton
-    enforce_eager: bool = False  # never replay decode steps from CUDA graphs (GPU + triton only)
+    enforce_eager: bool = False  # every step through the model's forward: no CUDA graphs, no fused CPU decode
     cuda_graph_max_batch: int = 256  # decode batches up to this size (and max_num_seqs) use graphs
+    #: CPU float32: decode-only steps of up to this many sequences run in the fused C++ step
+    #: (kernels/cpu_decode.py); 0 turns it off
+    fused_decode_max_batch: int = 16
     max_n: int = 16  # largest n a request may ask for
     seed: int = 0  # seeds the sampler of requests that give no seed
     num_threads: int | None = None  # torch CPU threads; None: torch's default
@@ -49,6 +52,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise InvalidParameterError("max_num_batched_tokens", "must be >= 1")
         if self.cuda_graph_max_batch < 1:
             raise InvalidParameterError("cuda_graph_max_batch", "must be >= 1")
+        if self.fused_decode_max_batch < 0:
+            raise InvalidParameterError("fused_decode_max_batch", "must be >= 0 (0: off)")
         if self.max_num_seqs < 1:
             raise InvalidParameterError("max_num_seqs", "must be >= 1")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -5,6 +5,9 @@ on CPU that copy costs as much as the attention itself. The kernel in
 csrc/cpu_paged_attention.cpp reads each cached key and value once, in place. It is built
 with torch's extension builder on first use (cached under ~/.cache/torch_extensions); if
 it cannot be built, the worker logs why and stays on the torch backend.
+
+The same extension holds the fused decode step (csrc/cpu_decode.cpp, used through
+kernels/cpu_decode.py): both are built in one go, once per source and CPU.
 """
 
 from __future__ import annotations
@@ -14,13 +17,15 @@ import functools
 import hashlib
 import logging
 import platform
+import time
 from pathlib import Path
 
 from pagedserve.common.contracts import AttentionMetadata
 from pagedserve.kernels.torch_attention import TorchAttentionBackend
 
 logger = logging.getLogger(__name__)
-_SOURCE = Path(__file__).parent / "csrc" / "cpu_paged_attention.cpp"
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = [_CSRC / "cpu_module.cpp", _CSRC / "cpu_paged_attention.cpp", _CSRC / "cpu_decode.cpp"]
 
 
 def _build_name() -> str:
@@ -31,7 +36,7 @@ def _build_name() -> str:
         info = Path("/proc/cpuinfo").read_text()
         cpu += next((line for line in info.splitlines() if line.startswith(("flags", "Features"))), "")
         cpu += next((line for line in info.splitlines() if line.startswith("model name")), "")
-    digest = hashlib.sha256(cpu.encode() + _SOURCE.read_bytes()).hexdigest()[:12]
+    digest = hashlib.sha256(cpu.encode() + b"".join(p.read_bytes() for p in _SOURCES)).hexdigest()[:12]
     return f"pagedserve_cpu_attention_{digest}"
 
 
@@ -41,14 +46,17 @@ def cpu_kernels():
     try:
         from torch.utils.cpp_extension import load
 
-        logger.info("loading the CPU attention kernel (the first build takes about a minute)")
-        return load(
+        logger.info("loading the CPU kernels (the first build takes about a minute)")
+        started = time.monotonic()
+        module = load(
             name=_build_name(),
-            sources=[str(_SOURCE)],
+            sources=[str(p) for p in _SOURCES],
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
+        logger.info("CPU kernels ready in %.1f s", time.monotonic() - started)
+        return module
     except Exception as exc:  # no compiler, no ninja, ...: the torch backend still works
         logger.warning("CPU attention kernel unavailable, using the torch backend: %s", exc)
         return None

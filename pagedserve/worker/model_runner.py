@@ -1,5 +1,6 @@
 """`ModelRunner`: the device side of a worker. It sets up the model, the kernels, the KV
-cache tensors and the decode CUDA graphs once, then runs each step:
+cache tensors and the decode fast path (CUDA graphs on GPU, the fused C++ step on CPU) once,
+then runs each step:
 
     run(SchedulerOutput) = prepare_inputs → forward → sample  → RunnerOutput
 """
@@ -25,6 +26,7 @@ from pagedserve.common.contracts import (
     SchedulerOutput,
 )
 from pagedserve.common.errors import InvalidParameterError
+from pagedserve.kernels.cpu_decode import FusedDecoder, fused_decode_supported
 from pagedserve.kernels.selector import select_kernels
 from pagedserve.plugins import load_plugin
 from pagedserve.worker.decode_graphs import DecodeGraphs, GraphCaptureError
@@ -65,12 +67,28 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and self.attention_backend.name == "triton" and not config.enforce_eager:
             self.enable_decode_graphs(min(config.cuda_graph_max_batch, config.max_num_seqs), max_len)
+        self.fused_decoder: FusedDecoder | None = None
+        if self.device.type == "cpu" and config.fused_decode_max_batch > 0 and not config.enforce_eager:
+            self.enable_fused_decode(min(config.fused_decode_max_batch, config.max_num_seqs))
 
     def enable_decode_graphs(self, max_batch: int, max_model_len: int, cuda_graphs: bool = True) -> None:
         """Run decode-only steps of up to `max_batch` sequences from CUDA graphs (see
         worker/decode_graphs.py; `cuda_graphs=False` runs the same padded path eagerly)."""
         self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.attention_backend, self.block_size,
                                           max_batch, max_model_len, self.device, cuda_graphs)
+
+    def enable_fused_decode(self, max_batch: int) -> None:
+        """Run decode-only steps of up to `max_batch` sequences, and the LM head of up to
+        `max_batch` rows, in the fused C++ step (kernels/cpu_decode.py), where the model and
+        dtype allow it; else log why not and stay eager."""
+        weights = cast(CausalLMPlugin, self.model).decoder_weights()
+        problem = fused_decode_supported(weights, self.dtype, self.device)
+        if problem is not None:
+            logger.info("decode steps run eagerly: %s", problem)
+            return
+        assert weights is not None  # checked above
+        self.fused_decoder = FusedDecoder(weights, self.kv_caches, self.block_size, max_batch)
+        logger.info("decode steps of up to %d sequences run in the fused CPU step", max_batch)
 
     @torch.inference_mode()
     def run(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
@@ -119,6 +137,9 @@ class ModelRunner:
             except GraphCaptureError as exc:  # never let graphs take the worker down: run eagerly
                 logger.warning("CUDA graph capture failed (%s); decode steps run eagerly from now on", exc)
                 self.decode_graphs = None
+        fused = self.fused_decoder
+        if fused is not None and batch.num_decodes == len(batch.query_lens) <= fused.max_batch:
+            return fused.forward(batch)
         input_ids, positions, metadata = self._tensors(batch)
         return self.model(input_ids, positions, metadata, self.kv_caches)
 
@@ -127,14 +148,25 @@ class ModelRunner:
         sampled: list[int | None] = [None] * len(entries)
         if not batch.sample_entries:
             return RunnerOutput(sampled, None)
-        sample_rows = torch.tensor(batch.sample_rows, dtype=torch.long, device=self.device)
-        # a model plugin is both a torch module and a CausalLMPlugin (load_model types it as the module)
-        logits = cast(CausalLMPlugin, self.model).compute_logits(hidden[sample_rows])  # [num_sampled, vocab]
+        logits = self.compute_logits(hidden, batch.sample_rows)  # [num_sampled, vocab]
         requests = [entries[i].request for i in batch.sample_entries]
         result = self.sampler.sample(logits, sampling_metadata(requests, self.vocab_size, self.device))
         for i, token in zip(batch.sample_entries, result.sampled_token_ids.tolist()):
             sampled[i] = token
         return RunnerOutput(sampled, sampled_logprobs(result, requests, batch.sample_entries, len(entries)))
+
+    def compute_logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """float32 logits of these rows of the hidden states; a few rows go through the fused
+        step's LM head, which reads the vocabulary's weights about twice as fast on CPU."""
+        fused = self.fused_decoder
+        if rows == list(range(hidden.shape[0])):
+            selected = hidden  # every row: no gather
+        else:
+            selected = hidden[torch.tensor(rows, dtype=torch.long, device=self.device)]
+        if fused is not None and len(rows) <= fused.max_batch:
+            return fused.logits(selected)
+        # a model plugin is both a torch module and a CausalLMPlugin (load_model types it as the module)
+        return cast(CausalLMPlugin, self.model).compute_logits(selected)
 
     def _tensors(self, batch: ModelInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Input ids, positions and attention metadata on the device, for an eager forward."""

@@ -16,6 +16,8 @@ from pagedserve.common.contracts.model import (
     AttentionBackend,
     AttentionMetadata,
     CausalLMPlugin,
+    DecoderLayerWeights,
+    DecoderWeights,
     KernelOps,
     Kernels,
 )
@@ -51,6 +53,8 @@ __all__ = [
     "AttentionMetadata",
     "CausalLMPlugin",
     "CompletionDelta",
+    "DecoderLayerWeights",
+    "DecoderWeights",
     "EngineConfig",
     "KVCacheManager",
     "KernelOps",

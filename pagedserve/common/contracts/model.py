@@ -116,6 +116,38 @@ class Kernels:
     ops: KernelOps
 
 
+@dataclass(frozen=True, slots=True)
+class DecoderLayerWeights:
+    """One Llama-shaped decoder layer's weights, as a fused decode kernel reads them."""
+
+    input_norm: torch.Tensor  # [hidden] RMSNorm weight before attention
+    qkv: torch.Tensor  # [q + 2 * kv, hidden]: the q, k and v projections stacked in that order
+    qkv_bias: torch.Tensor | None  # [q + 2 * kv] (Qwen2), else None
+    q_norm: torch.Tensor | None  # [head_dim] RMSNorm of each query head before rotary (Qwen3), else None
+    k_norm: torch.Tensor | None  # [head_dim] the same for each key head
+    o_proj: torch.Tensor  # [hidden, q]
+    post_norm: torch.Tensor  # [hidden] RMSNorm weight before the MLP
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]: gate then up (SwiGLU)
+    down: torch.Tensor  # [hidden, intermediate]
+
+
+@dataclass(frozen=True, slots=True)
+class DecoderWeights:
+    """A Llama-shaped decoder (pre-norm, RMSNorm, rotate-half rotary, GQA, SwiGLU), for kernels
+    that run a whole decode step in one call. The tensors are the model's own, not copies."""
+
+    embed: torch.Tensor  # [vocab, hidden]
+    layers: list[DecoderLayerWeights]
+    final_norm: torch.Tensor  # [hidden]
+    lm_head: torch.Tensor  # [vocab, hidden] (the embedding itself when tied)
+    cos: torch.Tensor  # [max_positions, head_dim] rotary table (rotate-half layout)
+    sin: torch.Tensor  # [max_positions, head_dim]
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+
+
 class CausalLMPlugin(ABC):
     """A model architecture, keyed by its `architectures` name in config.json.
 
@@ -142,3 +174,9 @@ class CausalLMPlugin(ABC):
     @abstractmethod
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load from an iterable of (checkpoint tensor name, tensor)."""
+
+    def decoder_weights(self) -> DecoderWeights | None:
+        """The weights in the Llama layout, if this model has it: then a worker may run its
+        small decode steps in a fused kernel (`kernels/cpu_decode.py`) instead of `forward`.
+        None (the default): always `forward`."""
+        return None

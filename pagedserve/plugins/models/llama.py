@@ -15,7 +15,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.common.contracts import AttentionMetadata, CausalLMPlugin, KernelOps, Kernels
+from pagedserve.common.contracts import (
+    AttentionMetadata,
+    CausalLMPlugin,
+    DecoderLayerWeights,
+    DecoderWeights,
+    KernelOps,
+    Kernels,
+)
 from pagedserve.plugins.models.norm import RMSNorm
 from pagedserve.plugins.models.rotary import RotaryEmbedding, rope_parameters
 
@@ -117,6 +124,25 @@ class LlamaForCausalLM(nn.Module, CausalLMPlugin):
     def compute_logits(self, hidden_states):
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden_states, weight).float()  # [n, vocab]
+
+    def decoder_weights(self) -> DecoderWeights:
+        layers = []
+        for layer in cast(Iterable[DecoderLayer], self.layers):
+            attn = layer.self_attn
+            layers.append(DecoderLayerWeights(
+                input_norm=layer.input_layernorm.weight, qkv=attn.qkv_proj.weight, qkv_bias=attn.qkv_proj.bias,
+                q_norm=attn.q_norm.weight if attn.q_norm is not None else None,
+                k_norm=attn.k_norm.weight if attn.k_norm is not None else None,
+                o_proj=attn.o_proj.weight, post_norm=layer.post_attention_layernorm.weight,
+                gate_up=layer.mlp.gate_up_proj.weight, down=layer.mlp.down_proj.weight,
+            ))
+        first = cast(DecoderLayer, self.layers[0]).self_attn
+        return DecoderWeights(
+            embed=self.embed_tokens.weight, layers=layers, final_norm=self.norm.weight,
+            lm_head=self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight,
+            cos=first.rotary.cos, sin=first.rotary.sin, num_heads=first.num_heads, num_kv_heads=first.num_kv_heads,
+            head_dim=first.head_dim, rms_norm_eps=float(self.config.rms_norm_eps),
+        )
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())

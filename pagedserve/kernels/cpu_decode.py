@@ -1,0 +1,78 @@
+"""Small decode steps of a Llama-shaped model in one C++ call, on CPU (float32).
+
+The CPU counterpart of the decode CUDA graphs: a decode step of a few sequences is almost
+all weight reads and host work between them. `FusedDecoder` runs the whole forward of such
+a step in csrc/cpu_decode.cpp — its own matrix-vector products, which read the weights at
+about twice the speed of torch's batch-1 `F.linear`, and the element-wise work in the same
+loops, with no Python or aten calls per layer. The runner uses it for decode-only steps of
+up to `fused_decode_max_batch` sequences; every other step (prefill chunks, mixed or larger
+batches) runs the model's own `forward`.
+
+Nothing is captured or compiled per batch size: the kernels are built once with the CPU
+attention kernel (kernels/cpu_attention.py) and take any number of rows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pagedserve.common.contracts import DecoderWeights, ModelInput
+from pagedserve.kernels.cpu_attention import cpu_kernels
+
+
+def fused_decode_supported(weights: DecoderWeights | None, dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why these weights cannot run fused here, or None when they can."""
+    if weights is None:
+        return "the model has no Llama-shaped decoder weights"
+    if device.type != "cpu":
+        return "the fused decode step runs on CPU only"
+    if dtype != torch.float32:
+        return f"the fused decode step is float32 only (the model runs in {dtype})"
+    if cpu_kernels() is None:
+        return "the CPU kernels could not be built (see the log)"
+    return None
+
+
+class FusedDecoder:
+    """The decode forward and the LM head of one model, for batches of a few sequences."""
+
+    def __init__(self, weights: DecoderWeights, kv_caches: list[torch.Tensor], block_size: int, max_batch: int):
+        kernels = cpu_kernels()
+        assert kernels is not None, "check fused_decode_supported first"
+        self._kernels = kernels
+        self.kv_caches = kv_caches
+        self.max_batch = max_batch
+        self.num_steps = 0  # decode steps run here (the rest ran the model's forward)
+        self.lm_head = weights.lm_head
+        layers = [[w.input_norm, w.qkv, w.qkv_bias, w.q_norm, w.k_norm, w.o_proj, w.post_norm, w.gate_up, w.down]
+                  for w in weights.layers]
+        self._impl = kernels.FusedDecoder(weights.embed, layers, weights.final_norm, weights.cos.float(),
+                                          weights.sin.float(), weights.num_heads, weights.num_kv_heads,
+                                          weights.head_dim, weights.rms_norm_eps, block_size)
+
+    def forward(self, batch: ModelInput) -> torch.Tensor:
+        """Hidden states [num_seqs, hidden] of a decode-only step (one token per sequence)."""
+        assert batch.num_decodes == len(batch.query_lens) <= self.max_batch, "decode-only steps of up to max_batch"
+        self.num_steps += 1
+        return self._impl.forward(
+            torch.tensor(batch.input_ids, dtype=torch.long),
+            torch.from_numpy(np.ascontiguousarray(batch.positions, dtype=np.int64)),
+            torch.from_numpy(np.ascontiguousarray(batch.slots, dtype=np.int64)),
+            torch.from_numpy(np.ascontiguousarray(batch.block_tables, dtype=np.int32)),
+            torch.tensor(batch.seq_lens, dtype=torch.int32),
+            self.kv_caches,
+        )
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [n, vocab] of a few rows of final hidden states."""
+        return self._kernels.small_linear(hidden.contiguous(), self.lm_head)
+
+    def set_profile(self, on: bool) -> None:
+        """Count the time of each stage kind (linear, attention, other) while on."""
+        self._impl.set_profile(on)
+
+    def take_profile(self) -> tuple[float, float, float]:
+        """Seconds in linear layers, attention and other ops since the last call (while profiling)."""
+        linear, attention, other = self._impl.take_profile()
+        return linear / 1e9, attention / 1e9, other / 1e9

@@ -1,0 +1,12 @@
+// The CPU extension module: the paged decode attention kernel (cpu_paged_attention.cpp) and
+// the fused decode step (cpu_decode.cpp), built together by kernels/cpu_attention.py.
+#include <torch/extension.h>
+
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale);
+void bind_cpu_decode(pybind11::module& m);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (CPU)");
+  bind_cpu_decode(m);
+}

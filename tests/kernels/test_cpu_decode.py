@@ -1,0 +1,74 @@
+"""The fused CPU decode step (kernels/cpu_decode.py) against the model's own forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedserve.kernels.cpu_attention import cpu_kernels
+
+pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="the CPU kernels need a C++ compiler")
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 16])
+def test_small_linear_equals_f_linear(rows):
+    torch.manual_seed(rows)
+    x, w, bias = torch.randn(rows, 70), torch.randn(131, 70), torch.randn(131)
+    kernels = cpu_kernels()
+    torch.testing.assert_close(kernels.small_linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kernels.small_linear(x, w, bias), F.linear(x, w, bias), rtol=1e-5, atol=1e-5)
+    # a non-contiguous x (a view of every other row) is read as the rows it shows
+    wide = torch.randn(2 * rows, 70)
+    torch.testing.assert_close(kernels.small_linear(wide[::2], w), F.linear(wide[::2], w), rtol=1e-5, atol=1e-5)
+
+
+def test_small_linear_refuses_other_dtypes():
+    with pytest.raises(RuntimeError, match="float32 only"):
+        cpu_kernels().small_linear(torch.randn(1, 8, dtype=torch.bfloat16), torch.randn(4, 8, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("model_name", ["llama-gqa", "llama-mha-odd", "llama3-rope", "qwen2", "qwen3", "llama-tied"])
+def test_fused_step_equals_the_eager_forward(tiny_checkpoint, model_name):
+    """Hidden states, logits and the KV written by one decode step of 3 sequences at different
+    positions: the fused step and the model's forward agree to float rounding."""
+    from pagedserve import LLM, SamplingParams
+    from pagedserve.common.contracts import Request, ScheduledRequest
+
+    engine = LLM(str(tiny_checkpoint(model_name)), kv_cache_memory=1 << 22).engine
+    runner = engine.runner
+    fused = runner.fused_decoder
+    assert fused is not None
+    entries = []
+    for i, length in enumerate([5, 17, 40]):
+        request = Request(f"r{i}", list(range(3 + i, 3 + i + length)), SamplingParams(), frozenset(), max_tokens=4)
+        assert engine.kv_manager.allocate_slots(request, length)
+        request.num_computed_tokens = length - 1  # its last prompt token is this step's decode
+        entries.append(ScheduledRequest(request, 1, engine.kv_manager.block_ids(request)))
+    batch = runner.prepare_inputs(entries)
+    caches_before = [c.clone() for c in runner.kv_caches]
+    with torch.inference_mode():
+        input_ids, positions, metadata = runner._tensors(batch)
+        eager = runner.model(input_ids, positions, metadata, runner.kv_caches)
+        eager_kv = [c.clone() for c in runner.kv_caches]
+        for cache, before in zip(runner.kv_caches, caches_before):
+            cache.copy_(before)
+        hidden = fused.forward(batch)
+        torch.testing.assert_close(hidden, eager, rtol=1e-4, atol=1e-4)
+        for cache, expected in zip(runner.kv_caches, eager_kv):
+            torch.testing.assert_close(cache, expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(fused.logits(hidden), runner.model.compute_logits(eager), rtol=1e-4, atol=1e-4)
+        assert torch.equal(fused.logits(hidden).argmax(-1), runner.model.compute_logits(eager).argmax(-1))
+
+
+def test_fused_step_profile_counts_each_stage_kind(tiny_checkpoint):
+    from pagedserve import LLM, SamplingParams
+
+    llm = LLM(str(tiny_checkpoint("llama-gqa")), kv_cache_memory=1 << 22)
+    fused = llm.engine.runner.fused_decoder
+    assert fused.take_profile() == (0.0, 0.0, 0.0)  # off: nothing counted
+    fused.set_profile(True)
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    linear, attention, other = fused.take_profile()
+    assert linear > 0 and attention > 0 and other > 0
+    assert fused.take_profile() == (0.0, 0.0, 0.0)  # taking resets

@@ -1,0 +1,75 @@
+"""The fused CPU decode step inside the engine: the same greedy ids as `--enforce-eager`,
+whichever path each step takes."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.kernels.cpu_attention import cpu_kernels
+
+from engine_helpers import assert_pool_clean, mixed_prompts
+
+pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="the CPU kernels need a C++ compiler")
+
+
+def _greedy(llm: LLM, prompts, lengths) -> list[list[int]]:
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("model_name", ["llama-gqa", "qwen3", "llama-tied"])
+def test_batches_beyond_the_fused_limit_run_eagerly_with_the_same_ids(tiny_checkpoint, model_name):
+    """Eight requests of different lengths with the fused step limited to 3 sequences: decode
+    batches of 8 down to 4 run the model's forward, batches of 3, 2 and 1 the fused step; a
+    small pool preempts, and the shared prefix of half the prompts is a prefix-cache hit.
+    Every id equals the eager engine's."""
+    model_dir = str(tiny_checkpoint(model_name))
+    prompts = mixed_prompts(8, seed=5)
+    lengths = [4, 6, 8, 10, 12, 14, 16, 18]
+    options = dict(kv_cache_memory=1 << 22, max_num_batched_tokens=64)
+    eager = LLM(model_dir, enforce_eager=True, **options)
+    assert eager.engine.runner.fused_decoder is None
+    expected = _greedy(eager, prompts, lengths)
+
+    llm = LLM(model_dir, fused_decode_max_batch=3, **options)
+    runner = llm.engine.runner
+    fused = runner.fused_decoder
+    assert fused is not None and fused.max_batch == 3
+    decode_batches = []  # the size of every decode-only step
+    prepare = runner.prepare_inputs
+
+    def recording(entries):
+        batch = prepare(entries)
+        if batch.num_decodes == len(batch.query_lens):
+            decode_batches.append(batch.num_decodes)
+        return batch
+
+    runner.prepare_inputs = recording
+    assert _greedy(llm, prompts, lengths) == expected
+    assert fused.num_steps == sum(1 for n in decode_batches if n <= 3) > 0
+    assert max(decode_batches) > 3  # and larger decode steps ran eagerly
+    assert llm.engine.kv_manager.pool.stats.num_hits > 0
+    assert_pool_clean(llm.engine)
+
+    # a pool too small for all eight at once: preempted sequences come back through both paths
+    small = LLM(model_dir, fused_decode_max_batch=3, kv_cache_memory=1 << 16, max_num_batched_tokens=64)
+    assert _greedy(small, prompts, lengths) == expected
+    assert small.engine.scheduler.num_preemptions > 0
+    assert small.engine.runner.fused_decoder.num_steps > 0
+    assert_pool_clean(small.engine)
+
+
+def test_one_request_decodes_in_the_fused_step(tiny_checkpoint):
+    model_dir = str(tiny_checkpoint("qwen2"))
+    prompt = mixed_prompts(4, seed=1)[0]
+    llm = LLM(model_dir, kv_cache_memory=1 << 22)
+    got = _greedy(llm, [prompt], [20])
+    assert got == _greedy(LLM(model_dir, enforce_eager=True, kv_cache_memory=1 << 22), [prompt], [20])
+    assert llm.engine.runner.fused_decoder.num_steps == 19  # every step after the prefill
+
+
+def test_fused_decode_is_off_where_it_cannot_run(tiny_checkpoint):
+    model_dir = str(tiny_checkpoint("llama-gqa"))
+    assert LLM(model_dir, fused_decode_max_batch=0, kv_cache_memory=1 << 22).engine.runner.fused_decoder is None
+    assert LLM(model_dir, dtype="bfloat16", kv_cache_memory=1 << 22).engine.runner.fused_decoder is None
