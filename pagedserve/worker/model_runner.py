@@ -33,7 +33,7 @@ from pagedserve.worker.decode_graphs import DecodeGraphs, GraphCaptureError
 from pagedserve.worker.device import resolve_device, resolve_dtype
 from pagedserve.worker.kv_cache_pool import KVCachePool, KVCacheSpec
 from pagedserve.worker.model_loader import load_model
-from pagedserve.worker.sampling_inputs import sampled_logprobs, sampling_metadata
+from pagedserve.worker.sampling_inputs import SamplingInputs, sampled_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +63,7 @@ class ModelRunner:
         #: the config with the step token budget resolved for this device and context
         self.config = with_step_budget(config, max_len, self.device.type)
         self.sampler: SamplerPlugin = load_plugin("samplers", config.sampler)(self.config)
+        self.sampling_inputs = SamplingInputs(self.vocab_size, self.device)
 
         self.decode_graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and self.attention_backend.name == "triton" and not config.enforce_eager:
@@ -99,6 +100,11 @@ class ModelRunner:
     def prepare_inputs(self, entries: list[ScheduledRequest]) -> ModelInput:
         """The step's flat batch on the host: decodes (one query token) first, because the
         attention backends batch them, then prefill chunks."""
+        if all(e.num_new_tokens == 1 for e in entries):
+            return self._prepare_decodes(entries)
+        return self._prepare_mixed(entries)
+
+    def _prepare_mixed(self, entries: list[ScheduledRequest]) -> ModelInput:
         order = [i for i, e in enumerate(entries) if e.num_new_tokens == 1]
         order += [i for i, e in enumerate(entries) if e.num_new_tokens != 1]
         bs = self.block_size
@@ -128,6 +134,26 @@ class ModelRunner:
         return ModelInput(ids, np.concatenate(pos_parts), np.concatenate(slot_parts), query_lens, seq_lens,
                           block_tables, sum(1 for n in query_lens if n == 1), sample_rows, sample_entries)
 
+    def _prepare_decodes(self, entries: list[ScheduledRequest]) -> ModelInput:
+        """`prepare_inputs` for a step of one token per sequence, in array operations: the
+        common step, and the one whose host work shows at batch 1. The block tables are
+        built again every step (a few microseconds a row): a table kept from an earlier step
+        would be wrong, silently, for a sequence preempted and readmitted since."""
+        n = len(entries)
+        computed = [e.request.num_computed_tokens for e in entries]
+        ids = [e.request.token_ids[c] for e, c in zip(entries, computed)]
+        widths = [len(e.block_ids) for e in entries]
+        block_tables = np.zeros((n, max(widths)), dtype=np.int32)
+        for row, e in enumerate(entries):
+            block_tables[row, : widths[row]] = e.block_ids
+        positions = np.array(computed, dtype=np.int64)
+        bs = self.block_size
+        slots = block_tables[np.arange(n), positions // bs].astype(np.int64) * bs + positions % bs
+        seq_lens = [c + 1 for c in computed]
+        # a one-token chunk that does not end its prompt samples nothing
+        sample = [i for i, (e, end) in enumerate(zip(entries, seq_lens)) if end == e.request.num_tokens]
+        return ModelInput(ids, positions, slots, [1] * n, seq_lens, block_tables, n, sample, sample)
+
     def forward(self, batch: ModelInput) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] (from a CUDA graph for a decode-only batch)."""
         graphs = self.decode_graphs
@@ -150,7 +176,7 @@ class ModelRunner:
             return RunnerOutput(sampled, None)
         logits = self.compute_logits(hidden, batch.sample_rows)  # [num_sampled, vocab]
         requests = [entries[i].request for i in batch.sample_entries]
-        result = self.sampler.sample(logits, sampling_metadata(requests, self.vocab_size, self.device))
+        result = self.sampler.sample(logits, self.sampling_inputs.for_rows(requests))
         for i, token in zip(batch.sample_entries, result.sampled_token_ids.tolist()):
             sampled[i] = token
         return RunnerOutput(sampled, sampled_logprobs(result, requests, batch.sample_entries, len(entries)))

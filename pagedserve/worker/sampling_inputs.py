@@ -1,5 +1,6 @@
 """The sampler's side of a step: per-row settings in (`SamplingMetadata`), per-entry
-logprobs out (`SampledLogprobs`)."""
+logprobs out (`SampledLogprobs`). `SamplingInputs` keeps one step's settings for the next
+while the rows are the same requests and nothing in them depends on the tokens so far."""
 
 from __future__ import annotations
 
@@ -47,6 +48,37 @@ def sampling_metadata(requests: Sequence[Request], vocab_size: int, device: torc
         banned_token_ids=banned,
         max_num_logprobs=max(wants_logprobs) if wants_logprobs else None,
     )
+
+
+class SamplingInputs:
+    """The `SamplingMetadata` of the latest step, reused while it still holds.
+
+    A decode step that only moves every row one position on has the same temperatures,
+    top-k/p, generators and logprob counts as the step before: building them again costs
+    more than the step's own sampling at batch 1. Settings that change as tokens arrive
+    (penalties read the tokens so far; `min_tokens` bans EOS for a while) are rebuilt
+    every step, as is any step whose rows are other request objects, in another order.
+    """
+
+    def __init__(self, vocab_size: int, device: torch.device):
+        self.vocab_size = vocab_size
+        self.device = device
+        self._requests: list[Request] = []  # the rows the kept metadata was built for (held: no id reuse)
+        self._metadata: SamplingMetadata | None = None
+        self.num_built = 0  # how often the metadata was built rather than reused
+
+    def for_rows(self, requests: Sequence[Request]) -> SamplingMetadata:
+        kept = self._metadata
+        if kept is not None and len(requests) == len(self._requests) and \
+                all(a is b for a, b in zip(requests, self._requests)):
+            return kept
+        metadata = sampling_metadata(requests, self.vocab_size, self.device)
+        self.num_built += 1
+        static = not metadata.banned_token_ids and not any(
+            p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or p.min_tokens
+            for p in (r.sampling_params for r in requests))
+        self._requests, self._metadata = (list(requests), metadata) if static else ([], None)
+        return metadata
 
 
 def sampled_logprobs(result: SamplerOutput, requests: Sequence[Request], sample_entries: Sequence[int],

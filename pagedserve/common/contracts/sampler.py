@@ -52,4 +52,7 @@ class SamplerPlugin(ABC):
 
     @abstractmethod
     def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        """Sample one token per row of `logits`; logprobs when `metadata` asks for them."""
+        """Sample one token per row of `logits`; logprobs when `metadata` asks for them.
+
+        `metadata` is read-only: the runner hands the same object to later steps whose rows
+        are the same requests (worker/sampling_inputs.py)."""
