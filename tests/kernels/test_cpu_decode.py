@@ -72,3 +72,25 @@ def test_fused_step_profile_counts_each_stage_kind(tiny_checkpoint):
     linear, attention, other = fused.take_profile()
     assert linear > 0 and attention > 0 and other > 0
     assert fused.take_profile() == (0.0, 0.0, 0.0)  # taking resets
+
+
+def test_fused_step_refuses_bad_inputs(tiny_checkpoint):
+    """Ids, positions and slots out of range raise instead of reading or writing past a tensor."""
+    import numpy as np
+
+    from pagedserve import LLM
+    from pagedserve.common.contracts import ModelInput
+
+    engine = LLM(str(tiny_checkpoint("llama-gqa")), kv_cache_memory=1 << 20).engine
+    fused = engine.runner.fused_decoder
+    num_slots = engine.runner.num_blocks * engine.runner.block_size
+
+    def batch(token=5, position=3, slot=3):
+        return ModelInput([token], np.array([position]), np.array([slot]), [1], [position + 1],
+                          np.zeros((1, 1), dtype=np.int32), 1, [0], [0])
+
+    fused.forward(batch())  # in range: runs
+    for bad, match in ((dict(token=320), "vocabulary"), (dict(position=512), "rotary table"),
+                       (dict(slot=num_slots), "beyond the KV cache")):
+        with pytest.raises(RuntimeError, match=match):
+            fused.forward(batch(**bad))

@@ -121,7 +121,14 @@ class FusedDecoder {
   torch::Tensor forward(torch::Tensor input_ids, torch::Tensor positions, torch::Tensor slots,
                         torch::Tensor block_tables, torch::Tensor seq_lens, std::vector<torch::Tensor> kv_caches) {
     TORCH_CHECK(kv_caches.size() == layers_.size(), "one KV cache per layer");
+    TORCH_CHECK(input_ids.scalar_type() == at::kLong && positions.scalar_type() == at::kLong &&
+                    slots.scalar_type() == at::kLong, "input_ids, positions and slots are int64");
+    TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
+                "block_tables and seq_lens are int32");
+    TORCH_CHECK(input_ids.is_contiguous() && positions.is_contiguous() && slots.is_contiguous(), "contiguous inputs");
     const int64_t m = input_ids.size(0), H = hidden_size_, I = intermediate_;
+    TORCH_CHECK(positions.size(0) == m && slots.size(0) == m && seq_lens.size(0) == m && block_tables.size(0) == m,
+                "one position, slot, context length and block table per sequence");
     const int64_t qkv_out = q_size_ + 2 * kv_size_;
     const int64_t* ids = input_ids.data_ptr<int64_t>();
     const int64_t* pos = positions.data_ptr<int64_t>();
@@ -146,6 +153,16 @@ class FusedDecoder {
       tick = now;
     };
 
+    for (int64_t r = 0; r < m; ++r) {
+      TORCH_CHECK(ids[r] >= 0 && ids[r] < embed_.size(0), "token id out of the vocabulary");
+      TORCH_CHECK(pos[r] >= 0 && pos[r] < cos_.size(0), "position beyond the rotary table");
+    }
+    for (auto& kv : kv_caches)
+      TORCH_CHECK(kv.scalar_type() == at::kFloat && kv.is_contiguous() && kv.dim() == 5 && kv.size(0) == 2 &&
+                      kv.size(3) * kv.size(4) == kv_size_,
+                  "each KV cache is a contiguous float32 [2, blocks, block_size, kv_heads, head_dim]");
+    for (int64_t r = 0; r < m; ++r)
+      TORCH_CHECK(slots.data_ptr<int64_t>()[r] < kv_caches[0].size(1) * kv_caches[0].size(2), "slot beyond the KV cache");
     for (int64_t r = 0; r < m; ++r) std::memcpy(residual + r * H, embed + ids[r] * H, H * sizeof(float));
     for (size_t li = 0; li < layers_.size(); ++li) {
       const Layer& L = layers_[li];
@@ -195,7 +212,8 @@ class FusedDecoder {
         const float* gate = mlp_.data() + r * 2 * I;
         const float* up = gate + I;
         float* a = act_.data() + r * I;
-        for (int64_t i = 0; i < I; ++i) a[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+        // silu(g) = g / (1 + e^-g); the exponent is capped so that -ffast-math never meets an infinity
+        for (int64_t i = 0; i < I; ++i) a[i] = gate[i] / (1.f + std::exp(std::min(-gate[i], 80.f))) * up[i];
       }
       lap(other_ns_);
       linear_rows(act_.data(), m, I, L.down.data_ptr<float>(), nullptr, H, hidden);
