@@ -70,7 +70,8 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:
     online.add_argument("--workload", default="serve", choices=list(SERVE_WORKLOADS))
     online.add_argument("--request-rate", default="inf", help="Poisson arrivals per second, or inf; a comma list sweeps")
     online.add_argument("--max-concurrency", type=int, default=64)
-    online.add_argument("--num-requests", type=int, default=200)
+    online.add_argument("--num-requests", type=int, default=None,
+                        help="requests (multi-turn: conversations); default: the workload's own count")
     online.add_argument("--vocab-size", type=int, default=49152, help="prompt token ids are drawn below this")
     online.add_argument("--model", default=None, help="model name to send (default: the first of /v1/models)")
     online.add_argument("--api-key", default=None)

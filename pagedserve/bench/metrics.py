@@ -24,6 +24,7 @@ class RequestRecord:
     start: float
     chunk_times: list[float] = field(default_factory=list)  # arrival of every chunk with tokens
     output_tokens: int = 0
+    cached_tokens: int | None = None  # prompt tokens the server served from its prefix cache, if it said
     end: float | None = None
     error: str | None = None
 
@@ -97,6 +98,9 @@ def summarize(records: Sequence[RequestRecord], duration: float, slo_ms: dict[st
         "itl": latency_stats(itls),
         "e2e": latency_stats([r.e2e for r in done]),
         "goodput": len(good) / duration if slo_ms else None,
+        # cached prompt tokens over prompt tokens, where the server reports them (usage.prompt_tokens_details)
+        "prefix_hit_rate": (sum(r.cached_tokens or 0 for r in done) / prompt_tokens
+                            if done and prompt_tokens and all(r.cached_tokens is not None for r in done) else None),
         "errors": sorted({r.error for r in records if r.error})[:5],
     }
 
@@ -125,6 +129,8 @@ def format_summary(s: dict) -> str:
     ]
     if s["goodput"] is not None:
         lines.append(f"{'goodput':28} {s['goodput']:.2f} req/s")
+    if s.get("prefix_hit_rate") is not None:
+        lines.append(f"{'prefix hit rate':28} {s['prefix_hit_rate']:.1%} of prompt tokens")
     for metric in ("ttft", "tpot", "itl", "e2e"):
         m = s[metric]
         lines.append(f"{metric.upper() + ' mean/median/p99':28} {m['mean_ms']:.1f} / {m['median_ms']:.1f} / {m['p99_ms']:.1f} ms")

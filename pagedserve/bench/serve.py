@@ -2,10 +2,12 @@
 
     pagedserve bench serve --base-url URL [--request-rate 1,2,inf] [--max-concurrency 64] [--plot FILE.png]
 
-Sends the `serve` workload (bench/workloads.py) (token-id prompts of the `mixed` shapes,
-pagedserve.bench.workloads) to `/v1/completions` with streaming, at Poisson arrivals of a
-given rate (or all at once) and at most `max_concurrency` in flight, and reports what vLLM's
-benchmark client reports (TTFT, TPOT, ITL, E2E, goodput; see pagedserve.bench.metrics).
+Sends a workload of bench/workloads.py (`serve`: token-id prompts of the `mixed` shapes;
+`multi-turn`: conversations whose turns go one after another; `many-prefixes`: 32 shared
+system prompts) to `/v1/completions` with streaming, at Poisson arrivals of a given rate
+(or all at once) and at most `max_concurrency` in flight, and reports what vLLM's benchmark
+client reports (TTFT, TPOT, ITL, E2E, goodput; see pagedserve.bench.metrics) and, where the
+server reports cached prompt tokens in its usage, the prefix hit rate.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import time
 from collections.abc import Sequence
 
 from pagedserve.bench.metrics import RequestRecord, format_summary, parse_slo, summarize
-from pagedserve.bench.workloads import workload
+from pagedserve.bench.workloads import Conversation, conversations
 
 
 async def _send(client, url: str, model: str, prompt: list[int], max_tokens: int, headers: dict) -> RequestRecord:
@@ -50,6 +52,9 @@ async def _send(client, url: str, model: str, prompt: list[int], max_tokens: int
                     chunks_with_text += 1
                 if event.get("usage"):
                     record.output_tokens = event["usage"].get("completion_tokens", 0)
+                    details = event["usage"].get("prompt_tokens_details") or {}
+                    if "cached_tokens" in details:
+                        record.cached_tokens = details["cached_tokens"]
         record.end = time.perf_counter()
         if not record.output_tokens:
             record.output_tokens = chunks_with_text  # servers without usage: one token a chunk
@@ -69,7 +74,25 @@ async def run_benchmark(
     seed: int = 0,
     progress: bool = True,
 ) -> tuple[list[RequestRecord], float]:
-    """Send every request; return their records and the wall time of the whole run."""
+    """Send every request, each on its own; return their records and the run's wall time."""
+    return await run_conversations(base_url, [[(p, n)] for p, n in zip(prompts, output_lens)], request_rate,
+                                   max_concurrency, model, api_key, seed, progress)
+
+
+async def run_conversations(
+    base_url: str,
+    conversations: Sequence[Conversation],
+    request_rate: float = math.inf,
+    max_concurrency: int = 64,
+    model: str | None = None,
+    api_key: str | None = None,
+    seed: int = 0,
+    progress: bool = True,
+) -> tuple[list[RequestRecord], float]:
+    """Send every conversation's turns in order, each when the previous one finished;
+    conversations start at Poisson arrivals of `request_rate` and run concurrently, at most
+    `max_concurrency` requests at a time. Returns the records, conversation by conversation,
+    and the wall time of the whole run."""
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -85,22 +108,25 @@ async def run_benchmark(
         if progress:
             from tqdm import tqdm
 
-            bar = tqdm(total=len(prompts), desc="requests", unit="req")
+            bar = tqdm(total=sum(len(c) for c in conversations), desc="requests", unit="req")
 
-        async def one(prompt, n):
-            async with semaphore:
-                record = await _send(client, f"{base}/v1/completions", model, prompt, n, headers)
-            if bar is not None:
-                bar.update(1)
-            return record
+        async def one(conversation: Conversation) -> list[RequestRecord]:
+            records = []
+            for prompt, n in conversation:
+                async with semaphore:
+                    record = await _send(client, f"{base}/v1/completions", model, prompt, n, headers)
+                records.append(record)
+                if bar is not None:
+                    bar.update(1)
+            return records
 
         start = time.perf_counter()
         tasks = []
-        for prompt, n in zip(prompts, output_lens):
-            tasks.append(asyncio.create_task(one(prompt, n)))
+        for conversation in conversations:
+            tasks.append(asyncio.create_task(one(conversation)))
             if math.isfinite(request_rate):
                 await asyncio.sleep(rng.expovariate(request_rate))
-        records = await asyncio.gather(*tasks)
+        records = [r for rs in await asyncio.gather(*tasks) for r in rs]
         duration = time.perf_counter() - start
         if bar is not None:
             bar.close()
@@ -110,17 +136,18 @@ async def run_benchmark(
 def run(args: argparse.Namespace) -> int:
     """`pagedserve bench serve`: one run per request rate of the comma list."""
     slo = parse_slo(args.slo)
-    prompts, output_lens = workload(args.workload, args.vocab_size, args.num_requests)
+    work = conversations(args.workload, args.vocab_size, args.num_requests)
+    num_requests = sum(len(c) for c in work)
     summaries = []
     for rate_text in args.request_rate.split(","):
         rate = math.inf if rate_text.strip() == "inf" else float(rate_text)
-        records, duration = asyncio.run(run_benchmark(
-            args.base_url, prompts, output_lens, rate, args.max_concurrency, args.model, args.api_key,
+        records, duration = asyncio.run(run_conversations(
+            args.base_url, work, rate, args.max_concurrency, args.model, args.api_key,
             progress=not args.no_progress,
         ))
         summary = {"request_rate": rate_text.strip(), **summarize(records, duration, slo)}
         summaries.append(summary)
-        print(f"workload={args.workload} requests={len(prompts)} rate={rate_text.strip()} max_concurrency={args.max_concurrency}")
+        print(f"workload={args.workload} requests={num_requests} rate={rate_text.strip()} max_concurrency={args.max_concurrency}")
         print(format_summary(summary))
     if args.plot:
         from pagedserve.bench.plots import plot_latency_curve

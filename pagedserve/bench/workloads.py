@@ -9,6 +9,17 @@ is `numpy.random.default_rng(seed).integers(100, vocab_size - 100, size=prompt_l
 | `mixed`         | 64       | uniform 16..512 (seed 0)                       | uniform 16..256 (seed 1) |
 | `shared-prefix` | 64       | a 512-token prefix (seed 2) + 32 (seed 3 + i)  | 32                     |
 | `serve`         | 200      | as `mixed`                                     | as `mixed`             |
+| `multi-turn`    | 16 conversations × 6 turns: each turn's prompt is the conversation so far | 32 |
+| `many-prefixes` | 256      | one of 32 system prompts of 1024..2048 (seed 5) + 32 (seed 6) | 32       |
+
+`multi-turn` (seed 4): each turn adds a user message of uniform 32..256 tokens, and the
+prompt of turn t is every earlier user message and assistant answer, then the new user
+message. The assistant answers in the history are drawn here, 32 tokens each, not taken
+from the server's replies, so every system sees the same prompts; a server that cached
+turn t-1's prompt can reuse all of it. A conversation's turns are sent one after another,
+each when the previous one has finished; conversations run concurrently.
+`many-prefixes` picks each request's system prompt uniformly (seed 6); only the system
+prompts are shared, so the hit rate a cache can reach depends on how many prefixes it keeps.
 """
 
 from __future__ import annotations
@@ -18,10 +29,12 @@ import numpy as np
 from pagedserve.common.errors import InvalidParameterError
 
 Workload = tuple[list[list[int]], list[int]]  # (prompts as token ids, output lengths)
+#: requests that must run in order, each after the previous finished: (prompt, output length) turns
+Conversation = list[tuple[list[int], int]]
 
 #: the workloads `bench offline` runs in-process; `serve` is `bench serve`'s, over HTTP
 OFFLINE_WORKLOADS = ("fixed", "mixed", "shared-prefix")
-SERVE_WORKLOADS = ("serve",)
+SERVE_WORKLOADS = ("serve", "multi-turn", "many-prefixes")
 DEFAULT_VOCAB_SIZE = 49152  # SmolLM2's, the default model
 
 
@@ -57,11 +70,47 @@ def serve_workload(num_requests: int = 200, vocab_size: int = DEFAULT_VOCAB_SIZE
     return mixed_workload(num_requests, vocab_size)
 
 
+def multi_turn_conversations(num_conversations: int = 16, vocab_size: int = DEFAULT_VOCAB_SIZE,
+                             turns: int = 6, output_len: int = 32) -> list[Conversation]:
+    """`num_conversations` × `turns` (seed 4): each turn's prompt is the conversation so far."""
+    rng = np.random.default_rng(4)
+    conversations = []
+    for _ in range(num_conversations):
+        history: list[int] = []
+        turns_of_one: Conversation = []
+        for _ in range(turns):
+            prompt = history + _ids(rng, vocab_size, int(rng.integers(32, 257)))
+            turns_of_one.append((prompt, output_len))
+            history = prompt + _ids(rng, vocab_size, output_len)  # the answer, as the history records it
+        conversations.append(turns_of_one)
+    return conversations
+
+
+def multi_turn_workload(num_conversations: int = 16, vocab_size: int = DEFAULT_VOCAB_SIZE) -> Workload:
+    """Every turn of `multi_turn_conversations`, conversation by conversation (the order
+    `bench serve` keeps within a conversation)."""
+    turns = [turn for conversation in multi_turn_conversations(num_conversations, vocab_size) for turn in conversation]
+    return [p for p, _ in turns], [n for _, n in turns]
+
+
+def many_prefixes_workload(num_requests: int = 256, vocab_size: int = DEFAULT_VOCAB_SIZE,
+                           num_prefixes: int = 32) -> Workload:
+    """`num_prefixes` system prompts of 1024..2048 tokens (seed 5); each request one of them,
+    drawn uniformly, + a unique 32-token suffix (seed 6); 32 out."""
+    rng = np.random.default_rng(5)
+    prefixes = [_ids(rng, vocab_size, int(rng.integers(1024, 2049))) for _ in range(num_prefixes)]
+    rng = np.random.default_rng(6)
+    prompts = [prefixes[int(rng.integers(num_prefixes))] + _ids(rng, vocab_size, 32) for _ in range(num_requests)]
+    return prompts, [32] * num_requests
+
+
 _BUILDERS = {
     "fixed": (fixed_workload, 64),
     "mixed": (mixed_workload, 64),
     "shared-prefix": (shared_prefix_workload, 64),
     "serve": (serve_workload, 200),
+    "multi-turn": (multi_turn_workload, 16),  # the count is of conversations
+    "many-prefixes": (many_prefixes_workload, 256),
 }
 
 
@@ -73,3 +122,12 @@ def workload(name: str, vocab_size: int = DEFAULT_VOCAB_SIZE, num_requests: int 
         raise InvalidParameterError("workload", f"unknown workload {name!r}; known: {', '.join(_BUILDERS)}")
     build, count = _BUILDERS[name]
     return build(count if num_requests is None else num_requests, vocab_size)
+
+
+def conversations(name: str, vocab_size: int = DEFAULT_VOCAB_SIZE, num_requests: int | None = None) -> list[Conversation]:
+    """A workload as the conversations a client sends: `multi-turn`'s turns in order, every
+    other workload's requests each a conversation of one turn."""
+    if name == "multi-turn":
+        return multi_turn_conversations(16 if num_requests is None else num_requests, vocab_size)
+    prompts, output_lens = workload(name, vocab_size, num_requests)
+    return [[(p, n)] for p, n in zip(prompts, output_lens)]

@@ -47,6 +47,7 @@ class _FakeOpenAI(BaseHTTPRequestHandler):
     """Streams one chunk per requested token, like an OpenAI server, and counts requests."""
 
     requests: list[dict] = []
+    cached_tokens = None  # prompt -> cached tokens to report in usage (None: report none)
 
     def log_message(self, *args):
         pass
@@ -71,6 +72,8 @@ class _FakeOpenAI(BaseHTTPRequestHandler):
             self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
             self.wfile.flush()
         usage = {"choices": [], "usage": {"prompt_tokens": len(request["prompt"]), "completion_tokens": n}}
+        if type(self).cached_tokens is not None:
+            usage["usage"]["prompt_tokens_details"] = {"cached_tokens": type(self).cached_tokens(request["prompt"])}
         self.wfile.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
 
 
@@ -124,3 +127,38 @@ def test_unreachable_server_counts_failures(capsys):
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert (summary["completed"], summary["failed"]) == (0, 3)
     assert summary["errors"][0].startswith("ConnectError")
+
+
+def test_multi_turn_sends_each_turn_after_the_previous_one(capsys):
+    """Turn t of a conversation is sent only once turn t-1 has finished (its prompt extends
+    turn t-1's), and the hit rate is the cached prompt tokens the server reports over all."""
+    from pagedserve.bench.workloads import multi_turn_conversations
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _FakeOpenAI)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    seen: list[list[int]] = []
+
+    def cached(prompt):  # the longest earlier prompt this one extends counts as cached
+        best = max((len(p) for p in seen if prompt[: len(p)] == p), default=0)
+        seen.append(prompt)
+        return best
+
+    _FakeOpenAI.requests, _FakeOpenAI.cached_tokens = [], staticmethod(cached)
+    try:
+        code = main(["bench", "serve", "--base-url", f"http://127.0.0.1:{server.server_address[1]}",
+                     "--workload", "multi-turn", "--num-requests", "3", "--max-concurrency", "2", "--no-progress",
+                     "--json", "--vocab-size", "320"])
+    finally:
+        server.shutdown()
+        _FakeOpenAI.cached_tokens = None
+    assert code == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    work = multi_turn_conversations(3, vocab_size=320)
+    assert summary["completed"] == 18
+    sent = [r["prompt"] for r in _FakeOpenAI.requests]
+    for conversation in work:
+        order = [sent.index(prompt) for prompt, _ in conversation]
+        assert order == sorted(order)  # in turn order
+    prompt_tokens = sum(len(p) for c in work for p, _ in c)
+    cached_tokens = sum(len(c[i][0]) for c in work for i in range(5))  # each turn reuses the previous prompt
+    assert summary["prefix_hit_rate"] == pytest.approx(cached_tokens / prompt_tokens)

@@ -59,3 +59,27 @@ def test_token_ids_are_those_measured_before(name, vocab_size, num_requests):
 def test_unknown_workload_is_refused():
     with pytest.raises(InvalidParameterError):
         workload("uniform")
+
+
+def test_multi_turn_turns_grow_from_the_conversation_so_far():
+    from pagedserve.bench.workloads import conversations, multi_turn_conversations
+
+    work = multi_turn_conversations()
+    assert len(work) == 16 and all(len(c) == 6 for c in work)
+    for conversation in work:
+        for (before, n), (after, _) in zip(conversation, conversation[1:]):
+            # the next prompt is this one, a 32-token answer, and a new user message of 32..256
+            assert n == 32 and after[: len(before)] == before
+            assert 32 + 32 <= len(after) - len(before) <= 32 + 256
+    assert work == multi_turn_conversations()  # seeded: the same every time
+    assert conversations("multi-turn", num_requests=2) == work[:2]
+    assert conversations("serve", num_requests=3) == [[(p, n)] for p, n in zip(*workload("serve", num_requests=3))]
+
+
+def test_many_prefixes_share_only_their_system_prompts():
+    prompts, outputs = workload("many-prefixes")
+    assert len(prompts) == 256 and outputs == [32] * 256
+    prefixes = {tuple(p[:-32]) for p in prompts}
+    assert len(prefixes) == 32  # every system prompt drawn at least once in 256 draws (seeded)
+    assert all(1024 <= len(p) <= 2048 for p in prefixes)
+    assert len({tuple(p[-32:]) for p in prompts}) == 256
