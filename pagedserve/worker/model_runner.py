@@ -69,7 +69,9 @@ class ModelRunner:
         if self.device.type == "cuda" and self.attention_backend.name == "triton" and not config.enforce_eager:
             self.enable_decode_graphs(min(config.cuda_graph_max_batch, config.max_num_seqs), max_len)
         self.fused_decoder: FusedDecoder | None = None
-        if self.device.type == "cpu" and config.fused_decode_max_batch > 0 and not config.enforce_eager:
+        # only with the C++ attention backend: a test or user who chose `torch` or `triton`
+        # attention gets those kernels in every step
+        if self.attention_backend.name == "cpu" and config.fused_decode_max_batch > 0 and not config.enforce_eager:
             self.enable_fused_decode(min(config.fused_decode_max_batch, config.max_num_seqs))
 
     def enable_decode_graphs(self, max_batch: int, max_model_len: int, cuda_graphs: bool = True) -> None:

@@ -73,3 +73,5 @@ def test_fused_decode_is_off_where_it_cannot_run(tiny_checkpoint):
     model_dir = str(tiny_checkpoint("llama-gqa"))
     assert LLM(model_dir, fused_decode_max_batch=0, kv_cache_memory=1 << 22).engine.runner.fused_decoder is None
     assert LLM(model_dir, dtype="bfloat16", kv_cache_memory=1 << 22).engine.runner.fused_decoder is None
+    # another attention backend chosen: its kernels run every step
+    assert LLM(model_dir, attention_backend="torch", kv_cache_memory=1 << 22).engine.runner.fused_decoder is None
