@@ -3,6 +3,9 @@
 A block with ref count 0 sits in the free queue, oldest-freed first. If it still holds a
 full block's hash it is also in the hash map, so a later request with the same prefix can
 take it back (a hit) until `allocate` evicts it from the head of the queue (LRU).
+
+With `record_events`, every change of the hash map is also recorded as an event
+(events.py) for the cluster's index; `take_events` hands them over.
 """
 
 from __future__ import annotations
@@ -10,6 +13,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+
+from pagedserve.prefix_cache.events import BlockRemoved, BlockStored, KVEvent
 
 
 @dataclass(slots=True)
@@ -38,6 +43,7 @@ class BlockPool:
 
     num_blocks: int
     enable_caching: bool = True
+    record_events: bool = False  # keep a list of hash-map changes for take_events()
     blocks: list[Block] = field(init=False)
     stats: PrefixCacheStats = field(init=False, default_factory=PrefixCacheStats)
 
@@ -47,6 +53,7 @@ class BlockPool:
         # Insertion order is eviction order: the head is the least recently freed block.
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(self.num_blocks))
         self._cached: dict[bytes, int] = {}  # block hash → block id
+        self._events: list[KVEvent] = []  # hash-map changes since take_events (when recording)
 
     @property
     def num_free_blocks(self) -> int:
@@ -115,15 +122,27 @@ class BlockPool:
         for block in blocks:
             self._take(block)
 
-    def cache_block(self, block: Block, block_hash: bytes, token_ids: Sequence[int]) -> None:
-        """Record that a full, computed block holds these tokens under this hash."""
+    def cache_block(self, block: Block, block_hash: bytes, token_ids: Sequence[int],
+                    parent_hash: bytes | None = None) -> None:
+        """Record that a full, computed block holds these tokens under this hash (`parent_hash`:
+        the previous block's, for the events)."""
         assert block.block_hash is None, f"block {block.block_id} is already cached"
         if not self.enable_caching:
             return
         block.block_hash = block_hash
         block.token_ids = tuple(token_ids)
         # If an identical block is already cached, keep the first: both hold the same KV.
-        self._cached.setdefault(block_hash, block.block_id)
+        if self._cached.setdefault(block_hash, block.block_id) == block.block_id and self.record_events:
+            self._events.append(BlockStored(block_hash, parent_hash, len(block.token_ids)))
+
+    def take_events(self) -> list[KVEvent]:
+        """The hash-map changes since the last call, in order (empty unless `record_events`)."""
+        events, self._events = self._events, []
+        return events
+
+    def cached_hashes(self) -> list[bytes]:
+        """Every hash a request can hit now (what a snapshot lists)."""
+        return list(self._cached)
 
     def _take(self, block: Block) -> None:
         if block.ref_count == 0:
@@ -135,5 +154,7 @@ class BlockPool:
         assert block_hash is not None, f"block {block.block_id} is not cached"
         if self._cached.get(block_hash) == block.block_id:
             del self._cached[block_hash]
+            if self.record_events:
+                self._events.append(BlockRemoved(block_hash))
         block.block_hash = None
         block.token_ids = None

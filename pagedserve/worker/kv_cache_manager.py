@@ -125,7 +125,8 @@ class KVCacheManager:
             block = blocks[i]
             if block.block_hash is not None:
                 break  # blocks before a cached one are cached too
-            self.pool.cache_block(block, hashes[i], request.token_ids[i * bs : (i + 1) * bs])
+            self.pool.cache_block(block, hashes[i], request.token_ids[i * bs : (i + 1) * bs],
+                                  hashes[i - 1] if i else None)
 
     def free(self, request: Request) -> None:
         """Give back the sequence's blocks, last first (its tail is evicted before its head).
