@@ -88,6 +88,10 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     max_stop_token_ids: int = 64  # entries of `stop_token_ids`
     max_body_bytes: int = 8 * 1024 * 1024  # larger bodies get 413
     request_timeout: float = 600.0  # seconds from admission until a request ends with a timeout
+    #: publish this worker's cached-block changes to `pagedserve:kv-events` for the prefix
+    #: cache service (`pagedserve prefix-cache`); off: nothing is sent
+    kv_events: bool = False
+    kv_events_max_len: int = 10_000  # batches the stream keeps (older ones are trimmed)
     heartbeat_interval: float = 1.0  # seconds between worker heartbeats
     # a worker silent this long is dead; its requests move. A worker beats only while its step
     # loop completes passes, so one engine step must take less than this (a frozen loop stops
@@ -122,7 +126,8 @@ class ServeConfig(msgspec.Struct, kw_only=True):
                      "max_prompts_per_request", "max_choices_per_request", "max_stop_strings",
                      "max_stop_string_length", "max_stop_token_ids", "tenant_max_requests",
                      "tenant_max_queued_tokens", "max_json_depth", "max_chat_messages",
-                     "max_cache_salt_length", "tokenizer_threads", "max_connections", "keep_alive_timeout"):
+                     "max_cache_salt_length", "tokenizer_threads", "max_connections", "keep_alive_timeout",
+                     "kv_events_max_len"):
             if getattr(self, name) < 1:
                 raise InvalidParameterError(name, "must be >= 1")
         for name in ("request_timeout", "heartbeat_interval", "worker_timeout", "drain_timeout", "header_timeout",

@@ -117,6 +117,26 @@ def _worker(args) -> int:
     os._exit(0)
 
 
+def _prefix_cache(args) -> int:
+    """The prefix cache service in the foreground, until SIGINT or SIGTERM."""
+    import signal
+    import threading
+
+    from pagedserve.prefix_cache.service import PrefixCacheService
+
+    redis_url = args.redis_url or os.environ.get("PAGEDSERVE_REDIS_URL")
+    if not redis_url:
+        raise InvalidParameterError("redis_url", "is required (--redis-url or PAGEDSERVE_REDIS_URL)")
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    service = PrefixCacheService(redis_url).start(args.host, args.port)
+    print(f"prefix cache service on http://{args.host}:{service.port} (workers publish with --kv-events)", flush=True)
+    stop.wait()
+    service.stop()
+    return 0
+
+
 def _models_pull(args) -> int:
     from pagedserve.common.model_store import pull
 
@@ -183,6 +203,12 @@ def build_parser() -> argparse.ArgumentParser:
         options.add_arguments(service, ServeConfig)
         options.add_arguments(service, EngineConfig)
         service.set_defaults(func=func)
+
+    cache = sub.add_parser("prefix-cache", help="the prefix cache service: the cluster's index of cached blocks")
+    cache.add_argument("--redis-url", default=None, help="the queue's Redis (env PAGEDSERVE_REDIS_URL)")
+    cache.add_argument("--host", default="127.0.0.1")
+    cache.add_argument("--port", type=int, default=8300)
+    cache.set_defaults(func=_prefix_cache)
 
     pl = sub.add_parser("plan", help="KV-cache capacity: sequences that fit, and what paging saves")
     pl.add_argument("--model", required=True, help="a checkpoint directory or a config.json")

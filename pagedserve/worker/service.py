@@ -30,6 +30,7 @@ from pagedserve.common.errors import PagedServeError
 from pagedserve.common.outputs import RequestDelta
 from pagedserve.common.queue_protocol import Chunk, WireError, WorkerInfo
 from pagedserve.common.step_stats import FinishedRequestStats, StepStats
+from pagedserve.prefix_cache.publisher import KVEventPublisher
 from pagedserve.telemetry.metrics import WorkerMetrics, serve_metrics
 from pagedserve.telemetry.tracing import Tracing
 from pagedserve.worker.engine import Engine
@@ -75,6 +76,10 @@ class WorkerService:
         # spans (no-ops when off), under the name clients ask for, as the gateway's and the metrics'
         self.traces = request_traces(tracing, self.worker_id, config.served_model_name or engine.config.model)
         engine.stats.keep_finished = True  # this service pops them every pass (`_observe`)
+        self.kv_events: KVEventPublisher | None = None  # the cluster index's feed (--kv-events)
+        if config.kv_events:
+            self.kv_events = KVEventPublisher(self.queue.redis, self.worker_id, engine.kv_manager.pool,
+                                              engine.config.block_size, config.kv_events_max_len)
 
     # -- lifecycle -------------------------------------------------------------------------
     def run(self) -> None:
@@ -158,6 +163,8 @@ class WorkerService:
         if self.engine.has_unfinished_requests():
             self._forward(self.engine.step())
             step = self.engine.last_step
+        if self.kv_events is not None:
+            self.kv_events.publish()
         self._observe(step)
         self.queue.flush()
         return True
