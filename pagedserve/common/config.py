@@ -92,6 +92,8 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     #: cache service (`pagedserve prefix-cache`); off: nothing is sent
     kv_events: bool = False
     kv_events_max_len: int = 10_000  # batches the stream keeps (older ones are trimmed)
+    #: with --kv-events, `serve` also runs the prefix cache service on this port (0: a free one)
+    prefix_cache_port: int = 8300
     heartbeat_interval: float = 1.0  # seconds between worker heartbeats
     # a worker silent this long is dead; its requests move. A worker beats only while its step
     # loop completes passes, so one engine step must take less than this (a frozen loop stops
@@ -134,6 +136,8 @@ class ServeConfig(msgspec.Struct, kw_only=True):
                      "body_timeout"):
             if getattr(self, name) <= 0:
                 raise InvalidParameterError(name, "must be > 0 seconds")
+        if not 0 <= self.prefix_cache_port <= 65535:
+            raise InvalidParameterError("prefix_cache_port", "must be a port number (0: any free one)")
         if self.worker_timeout <= 2 * self.heartbeat_interval:
             raise InvalidParameterError("worker_timeout", "must be more than two heartbeat intervals")
         if self.worker_restart_limit < 0:

@@ -345,6 +345,7 @@ def serve(config: ServeConfig, engine: EngineConfig) -> int:
     signal.signal(signal.SIGHUP, _hang_up)
     embedded: EmbeddedRedis | None = None
     supervisor: WorkerSupervisor | None = None
+    prefix_cache = None
     try:
         redis_url = config.redis_url
         if redis_url is None:
@@ -353,6 +354,11 @@ def serve(config: ServeConfig, engine: EngineConfig) -> int:
             logger.info("started redis-server at %s", redact_url(redis_url))
         if stops.received:
             return 0
+        if config.kv_events:  # the workers publish their cached blocks: keep the cluster index here
+            from pagedserve.prefix_cache.service import PrefixCacheService
+
+            prefix_cache = PrefixCacheService(redis_url).start(config.host, config.prefix_cache_port)
+            logger.info("prefix cache service on http://%s:%d", config.host, prefix_cache.port)
         supervisor = WorkerSupervisor(config, engine, redis_url, stops)
         supervisor.start()
         logger.info("loading %s in %d worker(s)…", engine.model, len(supervisor.slots))
@@ -369,6 +375,8 @@ def serve(config: ServeConfig, engine: EngineConfig) -> int:
         _record_stops(stops)  # a signal during the cleanup must not cut it short
         if supervisor is not None:
             supervisor.stop((stops.first_at or time.monotonic()) + config.drain_timeout + EXIT_GRACE)
+        if prefix_cache is not None:
+            prefix_cache.stop()
         if embedded is not None:
             embedded.stop()
     return 0
