@@ -23,13 +23,18 @@ def test_fair_shares_split_the_room_in_turn():
     assert fair_shares([], 5, 0) == {} and fair_shares(["a"], 0, 0) == {}
 
 
-def _admit(client: redis.Redis, request_id: str, tenant: str | None, num_tokens: int = 3) -> None:
+def _admit(client: redis.Redis, request_id: str, tenant: str | None, num_tokens: int = 3,
+           worker: str | None = None) -> None:
     message = QueuedRequest(request_id=request_id, prompt_token_ids=[1] * num_tokens, tenant=tenant,
                             params=SamplingParams(max_tokens=2), deadline=time.time() + 60)
-    client.zadd(q.WORKERS, {"someone": time.time() + 60})
+    if not client.zscore(q.WORKERS, worker or "someone"):
+        client.zadd(q.WORKERS, {worker or "someone": time.time() + 60})
+    routed = q.routed_key(worker, tenant) if worker else q.requests_key(tenant)
     keys = [q.requests_key(tenant), q.QUEUED, q.QUEUED_TOKENS, q.WORKERS, q.admitted_key(request_id), q.TENANTS,
-            q.TENANT_TOKENS]
-    assert client.register_script(q.ADMIT)(keys=keys, args=[100, 10_000, num_tokens, encode(message), 100, 10_000, 60])[0] == 1
+            q.TENANT_TOKENS, routed, q.TENANT_ROUTED, q.WORKER_TOKENS, q.WORKER_QUEUED]
+    args = [100, 10_000, num_tokens, encode(message), 100, 10_000, 60, worker or ""]
+    admitted, _, stream = client.register_script(q.ADMIT)(keys=keys, args=args)
+    assert (admitted, stream.decode()) == (1, routed)
 
 
 def test_a_pull_takes_from_every_tenant_before_a_second_from_any():

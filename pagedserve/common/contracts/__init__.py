@@ -11,7 +11,7 @@ import nothing else of pagedserve. One engine step hands these from stage to sta
 No module here imports torch at run time: tensors appear in annotations only.
 """
 
-from pagedserve.common.config import EngineConfig
+from pagedserve.common.config import EngineConfig, ServeConfig
 from pagedserve.common.contracts.model import (
     AttentionBackend,
     AttentionMetadata,
@@ -52,6 +52,7 @@ __all__ = [
     "CausalLMPlugin",
     "CompletionDelta",
     "EngineConfig",
+    "ServeConfig",
     "KVCacheManager",
     "KernelOps",
     "Kernels",
