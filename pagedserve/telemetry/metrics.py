@@ -158,7 +158,7 @@ class GatewayMetrics:
                          ["reason"], registry=registry)
         self.routed = {reason: routed.labels(reason) for reason in ROUTE_REASONS}
         lookups = Counter(PREFIX + "prefix_lookup_fallbacks", "Prefix cache lookups that failed or timed out "
-                          "(the prompt was routed by load), by cause.", ["cause"], registry=registry)
+                          "(the prompt was routed by load), by reason.", ["reason"], registry=registry)
         self.lookup_fallbacks = {cause: lookups.labels(cause) for cause in LOOKUP_FALLBACK_CAUSES}
 
     def set_queue(self, queue_depth: int, workers_alive: int) -> None:
