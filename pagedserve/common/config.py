@@ -122,6 +122,16 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     # a worker serves its Prometheus metrics on this port (`serve`: worker i on this port + i); None: no metrics server
     worker_metrics_port: int | None = None
     worker_metrics_host: str = "127.0.0.1"  # the address the workers' metrics servers listen on (0.0.0.0: every interface)
+    # Routing (gateway/routing.py): which worker's stream a request goes to
+    router: str = "cache-aware"  # entry point in pagedserve.routers (cache-aware | least-loaded)
+    prefix_cache_url: str | None = None  # the prefix cache service the gateway asks who holds a prompt; None: route by load
+    # cache-aware: the worker holding the longest prefix wins unless its load (requests taken
+    # or queued for it, per sequence slot) exceeds the least-loaded worker's by more than this
+    router_load_margin: float = 0.5
+    prefix_lookup_timeout: float = 0.05  # seconds a lookup may take; past it, or on an error, route by load
+    routing_info_ttl: float = 0.5  # seconds the gateway reuses the workers' heartbeat infos for routing
+    # a request routed to a busy worker that waited this long unread is taken by a worker with room (a steal)
+    steal_after: float = 0.5
 
     def __post_init__(self) -> None:
         for name in ("max_queued_requests", "max_queued_tokens", "max_attempts", "max_body_bytes",
@@ -147,6 +157,15 @@ class ServeConfig(msgspec.Struct, kw_only=True):
                 raise InvalidParameterError(name, "must be > 0 seconds")
         if self.redis_maxmemory < 1:
             raise InvalidParameterError("redis_maxmemory", "must be >= 1 byte")
+        for name in ("prefix_lookup_timeout", "routing_info_ttl"):
+            if getattr(self, name) <= 0:
+                raise InvalidParameterError(name, "must be > 0 seconds")
+        if self.steal_after < 0:
+            raise InvalidParameterError("steal_after", "must be >= 0 seconds")
+        if self.router_load_margin < 0:
+            raise InvalidParameterError("router_load_margin", "must be >= 0")
+        if not self.router:
+            raise InvalidParameterError("router", "must name a router (cache-aware, least-loaded)")
         if self.worker_metrics_port is not None and not 1 <= self.worker_metrics_port <= 65535:
             raise InvalidParameterError("worker_metrics_port", "must be a TCP port, 1 to 65535")
         if not self.worker_metrics_host:

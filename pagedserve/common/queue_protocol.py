@@ -2,7 +2,8 @@
 entry, and the msgspec Structs that travel in them as msgpack. Both sides import this module;
 the Lua scripts that keep the queue consistent live in `queue_scripts` and are exported here.
 
-    gateway ── QueuedRequest ──> pagedserve:requests[:{tenant}] ──> worker
+    gateway ── QueuedRequest ──> pagedserve:requests[:{tenant}] ──────────> any worker
+                             └─> pagedserve:routed:{worker_id}[:{tenant}] ──> that worker first
     worker  ── Chunk ──────────> pagedserve:out:{request_id} ──> gateway
 
 Keys:
@@ -11,10 +12,19 @@ Keys:
     pagedserve:requests:{tenant}   the same, one stream per tenant; consumer group "workers"
                                    in each. An entry lives until its final outcome, so a
                                    stream's length is its tenant's requests in flight
-    pagedserve:tenants             set of the tenant streams that may hold entries
+    pagedserve:routed:{worker_id}[:{tenant}]
+                                   the same, routed to one worker (gateway/routing.py): that
+                                   worker reads it before the shared streams; another worker
+                                   takes its entries when it is dead, or when they wait
+                                   longer than steal_after (a steal)
+    pagedserve:tenants             set of the request streams (tenant and routed) that may
+                                   hold entries
     pagedserve:queued              requests admitted and not yet pulled by a worker
     pagedserve:queued_tokens       their prompt tokens
-    pagedserve:tenant_tokens       hash: tenant stream → its queued prompt tokens
+    pagedserve:tenant_tokens       hash: tenant stream → its queued prompt tokens (routed ones too)
+    pagedserve:tenant_routed       hash: tenant stream → its entries in routed streams (in flight)
+    pagedserve:worker_tokens       hash: worker id → queued prompt tokens routed to it
+    pagedserve:worker_queued       hash: worker id → queued requests routed to it
     pagedserve:out:{request_id}    stream of Chunk, read by the gateway that admitted it
     pagedserve:workers             sorted set: worker id → heartbeat expiry (unix seconds)
     pagedserve:worker:{worker_id}  WorkerInfo, expiring with the heartbeat
@@ -37,6 +47,7 @@ from pagedserve.common.queue_scripts import ACK_IF_OWNER as ACK_IF_OWNER
 from pagedserve.common.queue_scripts import ADMIT as ADMIT
 from pagedserve.common.queue_scripts import HEARTBEAT as HEARTBEAT
 from pagedserve.common.queue_scripts import RECONCILE as RECONCILE
+from pagedserve.common.queue_scripts import STEAL as STEAL
 from pagedserve.common.queue_scripts import TAKEN as TAKEN
 from pagedserve.common.sampling_params import SamplingParams
 
@@ -53,9 +64,43 @@ CANCEL_CHANNEL = "pagedserve:cancel"
 OUTPUT_TTL = 600
 
 
+ROUTED = "pagedserve:routed"  # the prefix of the streams of requests routed to one worker
+TENANT_ROUTED = "pagedserve:tenant_routed"
+WORKER_TOKENS = "pagedserve:worker_tokens"
+WORKER_QUEUED = "pagedserve:worker_queued"
+
+
 def requests_key(tenant: str | None) -> str:
     """The stream a tenant's requests wait in (and live in until their final outcome)."""
     return REQUESTS if tenant is None else f"{REQUESTS}:{tenant}"
+
+
+def routed_key(worker_id: str, tenant: str | None) -> str:
+    """The stream of a tenant's requests routed to one worker. Worker ids hold no ':'
+    (`check_worker_id`), so the worker id and the tenant can be read back from the name."""
+    return f"{ROUTED}:{worker_id}" if tenant is None else f"{ROUTED}:{worker_id}:{tenant}"
+
+
+def routed_owner(stream: str) -> str | None:
+    """The worker a routed stream belongs to; None for a tenant (shared) stream."""
+    if not stream.startswith(ROUTED + ":"):
+        return None
+    return stream[len(ROUTED) + 1:].split(":", 1)[0]
+
+
+def tenant_stream_of(stream: str) -> str:
+    """The tenant stream whose limits an entry of `stream` counts against (itself, unless routed)."""
+    if not stream.startswith(ROUTED + ":"):
+        return stream
+    rest = stream[len(ROUTED) + 1:]
+    return REQUESTS if ":" not in rest else requests_key(rest.split(":", 1)[1])
+
+
+def check_worker_id(worker_id: str) -> str:
+    """A worker id names streams (`routed_key`): it must be non-empty and hold no ':'."""
+    if not worker_id or ":" in worker_id:
+        raise ValueError(f"a worker id must be non-empty and hold no ':', got {worker_id!r}")
+    return worker_id
 
 
 def output_key(request_id: str) -> str:
@@ -139,11 +184,17 @@ class WorkerInfo(msgspec.Struct, kw_only=True):
     host: str
     max_num_seqs: int
     # load, as of the heartbeat
-    num_running: int = 0  # requests in the engine
+    num_running: int = 0  # requests in the engine (the waiting ones too)
+    num_waiting: int = 0  # of those, the ones the engine has not started (or preempted)
     num_free_blocks: int = 0  # KV blocks not held by a running request
     num_blocks: int = 0
     num_cancelled: int = 0  # requests aborted because their client went away, since start
     num_taken_over: int = 0  # requests this worker resumed after another worker died
+    num_stolen: int = 0  # requests it took from another worker's routed stream, since start
+    # what the gateway needs to compute the block hashes this worker's KV cache uses
+    # (prefix_cache.block_hash.prompt_block_hashes); 0 / "": not announced (no cache routing)
+    block_size: int = 0  # tokens per KV block
+    kv_model_id: str = ""  # the model id its block hashes include (EngineConfig.model)
 
 
 class CompletionLog(msgspec.Struct, kw_only=True):

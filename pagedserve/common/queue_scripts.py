@@ -3,8 +3,9 @@ runs atomically in Redis. The keys and entry fields they touch are named in
 `pagedserve.common.queue_protocol`, which also exports these scripts to both sides (the
 gateway runs them through redis.asyncio, the worker through redis).
 
-Requests wait in one stream per tenant (`queue_protocol.requests_key`); the set of those
-streams is `queue_protocol.TENANTS`. A stream entry lives from admission until its final
+Requests wait in one stream per tenant (`queue_protocol.requests_key`), or in a stream per
+worker and tenant when the gateway routed them (`queue_protocol.routed_key`); the set of
+those streams is `queue_protocol.TENANTS`. A stream entry lives from admission until its final
 outcome (the owner's ack deletes it), so a tenant stream's length is that tenant's number of
 requests in flight: queued or running.
 """
@@ -12,20 +13,26 @@ requests in flight: queued or running.
 from __future__ import annotations
 
 #: Admission: one atomic "is there a live worker, room in the queue and room in the
-#: tenant's limits? then XADD to the tenant's stream".
+#: tenant's limits? then XADD to the tenant's stream, or to the stream routed to a worker".
 #: KEYS: tenant stream, queued, queued_tokens, workers, admitted marker of this request,
-#: tenants set, tenant tokens hash. ARGV: max_queued, max_queued_tokens, prompt tokens,
-#: message, tenant max in flight, tenant max queued tokens, marker ttl (seconds).
-#: Returns {1, entry id}, {1, "again"} (a retry of an admitted request: nothing more is
-#: queued), or {0, reason} with reason one of "no_worker", "full", "tenant_requests",
-#: "tenant_tokens". The entry's fields are queue_protocol.REQUEST_FIELD ('m': the message)
-#: and PROMPT_TOKENS_FIELD ('t': its prompt tokens).
+#: tenants set, tenant tokens hash, routed stream (the tenant stream when not routed),
+#: tenant routed hash, worker tokens hash, worker queued hash. ARGV: max_queued, max_queued_tokens, prompt
+#: tokens, message, tenant max in flight, tenant max queued tokens, marker ttl (seconds),
+#: the worker routed to ("": none).
+#: Returns {1, entry id, stream written}, {1, "again"} (a retry of an admitted request:
+#: nothing more is queued), or {0, reason} with reason one of "no_worker", "full",
+#: "tenant_requests", "tenant_tokens". A request routed to a worker that is no longer live
+#: goes to the tenant stream instead. The entry's fields are queue_protocol.REQUEST_FIELD
+#: ('m': the message) and PROMPT_TOKENS_FIELD ('t': its prompt tokens).
+#: A tenant's requests in flight are its tenant stream's entries plus its entries in routed
+#: streams (tenant routed hash); its queued tokens count both.
 #: A single request larger than a token bound is let in when nothing of its kind is queued,
 #: or it could never run; the gateway bounds prompt sizes on its own.
 ADMIT = """
 if redis.call('EXISTS', KEYS[5]) == 1 then return {1, 'again'} end
 local now = redis.call('TIME')
-if redis.call('ZCOUNT', KEYS[4], tonumber(now[1]) + tonumber(now[2]) / 1e6, '+inf') == 0 then
+local t = tonumber(now[1]) + tonumber(now[2]) / 1e6
+if redis.call('ZCOUNT', KEYS[4], t, '+inf') == 0 then
   return {0, 'no_worker'}
 end
 local queued = tonumber(redis.call('GET', KEYS[2]) or '0')
@@ -34,44 +41,106 @@ local n = tonumber(ARGV[3])
 if queued >= tonumber(ARGV[1]) or (queued > 0 and tokens + n > tonumber(ARGV[2])) then
   return {0, 'full'}
 end
-if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[5]) then return {0, 'tenant_requests'} end
+local in_flight = redis.call('XLEN', KEYS[1]) + tonumber(redis.call('HGET', KEYS[9], KEYS[1]) or '0')
+if in_flight >= tonumber(ARGV[5]) then return {0, 'tenant_requests'} end
 local tenant_tokens = tonumber(redis.call('HGET', KEYS[7], KEYS[1]) or '0')
 if tenant_tokens > 0 and tenant_tokens + n > tonumber(ARGV[6]) then return {0, 'tenant_tokens'} end
-redis.pcall('XGROUP', 'CREATE', KEYS[1], 'workers', '0', 'MKSTREAM')
-redis.call('SADD', KEYS[6], KEYS[1])
+local stream = KEYS[1]
+if ARGV[8] ~= '' and tonumber(redis.call('ZSCORE', KEYS[4], ARGV[8]) or '0') >= t then
+  stream = KEYS[8]
+  redis.call('HINCRBY', KEYS[9], KEYS[1], 1)
+  redis.call('HINCRBY', KEYS[10], ARGV[8], n)
+  redis.call('HINCRBY', KEYS[11], ARGV[8], 1)
+end
+redis.pcall('XGROUP', 'CREATE', stream, 'workers', '0', 'MKSTREAM')
+redis.call('SADD', KEYS[6], stream)
 redis.call('INCR', KEYS[2])
 redis.call('INCRBY', KEYS[3], n)
 redis.call('HINCRBY', KEYS[7], KEYS[1], n)
 redis.call('SET', KEYS[5], 1, 'EX', ARGV[7])
-return {1, redis.call('XADD', KEYS[1], '*', 'm', ARGV[4], 't', ARGV[3])}
+return {1, redis.call('XADD', stream, '*', 'm', ARGV[4], 't', ARGV[3]), stream}
 """
 
 #: A worker took requests: count them out of the queue. KEYS: queued, queued_tokens, tenant
-#: tokens hash. ARGV: number of requests, their prompt tokens, then pairs (tenant stream,
-#: its prompt tokens taken). Never below zero (a Redis restart resets the counters). Allowed
-#: when Redis is full (it frees memory): the entries are read already and must be counted.
+#: tokens hash, worker tokens hash, worker queued hash. ARGV: number of requests, their
+#: prompt tokens, the number k of tenant pairs, then k pairs (tenant stream, its prompt
+#: tokens taken), then triples (worker routed to, its requests taken, their prompt tokens).
+#: Never below zero (a Redis restart resets the counters). Allowed when Redis is full (it
+#: frees memory): the entries are read already and must be counted.
 TAKEN = """#!lua flags=allow-oom
+local function take(hash, field, n)
+  if redis.call('HINCRBY', hash, field, -n) <= 0 then redis.call('HDEL', hash, field) end
+end
 for i = 1, 2 do
   local v = redis.call('DECRBY', KEYS[i], ARGV[i])
   if v < 0 then redis.call('SET', KEYS[i], 0) end
 end
-for i = 3, #ARGV, 2 do
-  if redis.call('HINCRBY', KEYS[3], ARGV[i], -tonumber(ARGV[i + 1])) <= 0 then
-    redis.call('HDEL', KEYS[3], ARGV[i])
-  end
+local tenant_end = 3 + 2 * tonumber(ARGV[3])
+for i = 4, tenant_end, 2 do take(KEYS[3], ARGV[i], tonumber(ARGV[i + 1])) end
+for i = tenant_end + 1, #ARGV, 3 do
+  take(KEYS[5], ARGV[i], tonumber(ARGV[i + 1]))
+  take(KEYS[4], ARGV[i], tonumber(ARGV[i + 2]))
 end
 return 1
 """
 
 #: Final outcome: acknowledge and delete the entry, but only while this worker owns it
 #: (a worker wrongly thought dead must not ack what another worker now runs).
-#: KEYS: the entry's tenant stream. ARGV: group, consumer, entry id. Returns 1 if acknowledged.
+#: An entry of a routed stream leaves its tenant's count of routed entries in flight.
+#: KEYS: the entry's stream, tenant routed hash. ARGV: group, consumer, entry id, the
+#: tenant stream of a routed stream ("": the stream is a tenant stream). Returns 1 if
+#: acknowledged.
 ACK_IF_OWNER = """
 local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
 if p[1] == nil or p[1][2] ~= ARGV[2] then return 0 end
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
-redis.call('XDEL', KEYS[1], ARGV[3])
+if redis.call('XDEL', KEYS[1], ARGV[3]) == 1 and ARGV[4] ~= '' then
+  if redis.call('HINCRBY', KEYS[2], ARGV[4], -1) <= 0 then redis.call('HDEL', KEYS[2], ARGV[4]) end
+end
 return 1
+"""
+
+#: Steal: read, for this worker, the entries of other workers' routed streams that have
+#: waited there longer than a delay (their owner is too busy to take them). Atomic, so an
+#: entry is read by one worker only and never one younger than the delay. KEYS: the routed
+#: streams to steal from. ARGV: group, consumer, most entries in all, delay in
+#: milliseconds. Returns an XREADGROUP reply: {stream, {{id, {field, value, ...}}, ...}}
+#: per stream it read from.
+STEAL = """
+local now = redis.call('TIME')
+local cutoff = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000) - tonumber(ARGV[4])
+local room = tonumber(ARGV[3])
+local out = {}
+for _, stream in ipairs(KEYS) do
+  if room <= 0 then break end
+  local last = nil
+  local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', stream)
+  if ok then
+    for _, g in ipairs(groups) do
+      local info = {}
+      for i = 1, #g, 2 do info[g[i]] = g[i + 1] end
+      if info['name'] == ARGV[1] then last = info['last-delivered-id'] end
+    end
+  end
+  if last ~= nil then
+    local aged = 0
+    for _, entry in ipairs(redis.call('XRANGE', stream, '(' .. last, '+', 'COUNT', room)) do
+      local ms = tonumber(string.match(entry[1], '^(%d+)'))
+      if ms > cutoff then break end
+      aged = aged + 1
+    end
+    if aged > 0 then
+      local read = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', aged, 'STREAMS', stream, '>')
+      if read then
+        for _, r in ipairs(read) do
+          table.insert(out, r)
+          room = room - #r[2]
+        end
+      end
+    end
+  end
+end
+return out
 """
 
 #: Heartbeat: announce the worker, and touch every entry it runs (XCLAIM JUSTID to itself
@@ -109,15 +178,41 @@ return lost
 
 #: Reconcile the queue's counters with the streams themselves, so they cannot drift (a
 #: worker that died between reading and counting, a Redis restart): the queued requests
-#: and tokens are the entries no worker has read yet, in every tenant stream. A tenant
-#: stream with nothing in flight leaves the tenants set. KEYS: tenants set, queued,
-#: queued_tokens, tenant tokens hash. ARGV: group. Returns {queued, queued tokens}.
+#: and tokens are the entries no worker has read yet, in every request stream; a tenant's
+#: routed entries in flight are its entries in routed streams; a worker's queued tokens
+#: are the unread ones of its routed streams. A tenant stream with nothing in flight leaves
+#: the tenants set; a routed stream leaves it (and is deleted) once empty and its worker is
+#: no longer live, so a live worker keeps waiting on its own.
+#: KEYS: tenants set, queued, queued_tokens, tenant tokens hash, tenant routed hash, worker
+#: tokens hash, workers, worker queued hash. ARGV: group, routed prefix (queue_protocol.ROUTED .. ':'), the
+#: stream of callers without a tenant (queue_protocol.REQUESTS). Returns {queued, queued tokens}.
 RECONCILE = """
+local now = redis.call('TIME')
+local t = tonumber(now[1]) + tonumber(now[2]) / 1e6
+local prefix = ARGV[2]
 local queued, tokens = 0, 0
-redis.call('DEL', KEYS[4])
+redis.call('DEL', KEYS[4], KEYS[5], KEYS[6], KEYS[8])
 for _, stream in ipairs(redis.call('SMEMBERS', KEYS[1])) do
-  if redis.call('XLEN', stream) == 0 then
-    redis.call('SREM', KEYS[1], stream)
+  local tenant_stream, worker = stream, nil
+  if string.sub(stream, 1, #prefix) == prefix then
+    local rest = string.sub(stream, #prefix + 1)
+    local colon = string.find(rest, ':', 1, true)
+    if colon then
+      worker = string.sub(rest, 1, colon - 1)
+      tenant_stream = ARGV[3] .. ':' .. string.sub(rest, colon + 1)
+    else
+      worker = rest
+      tenant_stream = ARGV[3]
+    end
+  end
+  local length = redis.call('XLEN', stream)
+  if length == 0 then
+    if worker == nil then
+      redis.call('SREM', KEYS[1], stream)
+    elseif tonumber(redis.call('ZSCORE', KEYS[7], worker) or '0') < t then
+      redis.call('SREM', KEYS[1], stream)
+      redis.call('DEL', stream)
+    end
   else
     local last = '0-0'
     local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', stream)
@@ -128,15 +223,21 @@ for _, stream in ipairs(redis.call('SMEMBERS', KEYS[1])) do
         if info['name'] == ARGV[1] then last = info['last-delivered-id'] end
       end
     end
-    local stream_tokens = 0
+    local stream_tokens, stream_queued = 0, 0
     for _, entry in ipairs(redis.call('XRANGE', stream, '(' .. last, '+')) do
-      queued = queued + 1
+      stream_queued = stream_queued + 1
       local fields = entry[2]
       for i = 1, #fields, 2 do
         if fields[i] == 't' then stream_tokens = stream_tokens + tonumber(fields[i + 1]) end
       end
     end
-    if stream_tokens > 0 then redis.call('HSET', KEYS[4], stream, stream_tokens) end
+    if stream_tokens > 0 then redis.call('HINCRBY', KEYS[4], tenant_stream, stream_tokens) end
+    if worker ~= nil then
+      redis.call('HINCRBY', KEYS[5], tenant_stream, length)
+      if stream_tokens > 0 then redis.call('HINCRBY', KEYS[6], worker, stream_tokens) end
+      if stream_queued > 0 then redis.call('HINCRBY', KEYS[8], worker, stream_queued) end
+    end
+    queued = queued + stream_queued
     tokens = tokens + stream_tokens
   end
 end

@@ -359,6 +359,9 @@ def serve(config: ServeConfig, engine: EngineConfig) -> int:
 
             prefix_cache = PrefixCacheService(redis_url).start(config.host, config.prefix_cache_port)
             logger.info("prefix cache service on http://%s:%d", config.host, prefix_cache.port)
+            if config.prefix_cache_url is None:  # the gateway routes by what it knows
+                config = msgspec.structs.replace(
+                    config, prefix_cache_url=f"http://{config.host}:{prefix_cache.port}")
         supervisor = WorkerSupervisor(config, engine, redis_url, stops)
         supervisor.start()
         logger.info("loading %s in %d worker(s)…", engine.model, len(supervisor.slots))

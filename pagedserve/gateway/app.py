@@ -27,6 +27,7 @@ from litestar.openapi import OpenAPIConfig
 from prometheus_client import CollectorRegistry
 
 from pagedserve.common.config import ServeConfig
+from pagedserve.common.contracts import PrefixLookup, RouterPlugin
 from pagedserve.common.errors import PagedServeError
 from pagedserve.common.sampling_params import MAX_N
 from pagedserve.gateway.auth import TenantLimits
@@ -39,6 +40,7 @@ from pagedserve.gateway.errors import (
 from pagedserve.gateway.http_metrics import count_answers, metrics_endpoint
 from pagedserve.gateway.queue_client import QueueClient
 from pagedserve.gateway.routes import ROUTE_HANDLERS
+from pagedserve.gateway.routing import RequestRouting, build_router, prefix_lookup_from_config
 from pagedserve.gateway.tokenizer import PromptTokenizer
 from pagedserve.gateway.tracing import server_span_middleware
 from pagedserve.telemetry.metrics import GatewayMetrics
@@ -69,6 +71,7 @@ class GatewayState:
     tracing: Tracing = field(default_factory=Tracing.disabled)  # the process's traces (off unless OTEL_* say)
     # the app's Prometheus metrics, on a registry of its own (GET /metrics)
     metrics: GatewayMetrics = field(default_factory=lambda: GatewayMetrics(CollectorRegistry()))
+    routing: RequestRouting = field(init=False)  # which worker's stream each prompt goes to (set by create_app)
 
     async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
         """Run a CPU-heavy step (tokenizing, rendering a chat template, scanning a body) in a
@@ -108,13 +111,19 @@ async def _watch_workers(state: GatewayState) -> None:
 def create_app(config: ServeConfig, redis_url: str, tokenizer: PromptTokenizer, model_names: tuple[str, ...],
                max_model_len: int, api_keys: dict[str, str], vocab_size: int | None = None,
                tenant_limits: dict[str, TenantLimits] | None = None, max_n: int = MAX_N,
-               tracing: Tracing | None = None) -> Litestar:
+               tracing: Tracing | None = None, router: RouterPlugin | None = None,
+               prefix_lookup: PrefixLookup | None = None) -> Litestar:
     """The gateway for one model; `vocab_size` defaults to the tokenizer's, `tracing` to what
-    the OTEL_* variables say."""
+    the OTEL_* variables say, `router` to --router's plugin, `prefix_lookup` to the prefix
+    cache service's client for --prefix-cache-url (none: routing by load)."""
     tracing = tracing if tracing is not None else Tracing.from_env("pagedserve-gateway")
     vocab_size = vocab_size or tokenizer.tokenizer.get_vocab_size(with_added_tokens=True)
     state = GatewayState(config, QueueClient(redis_url, config), tokenizer, model_names, max_model_len, vocab_size,
                          api_keys, tenant_limits or {}, max_n, tracing=tracing)
+    state.routing = RequestRouting(
+        config, state.queue, router if router is not None else build_router(config),
+        prefix_lookup if prefix_lookup is not None else prefix_lookup_from_config(config),
+        state.metrics, offload=state.run_blocking)
 
     async def startup(app: Litestar) -> None:
         state.spawn(_watch_workers(state))

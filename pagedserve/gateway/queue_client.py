@@ -9,6 +9,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import cast
 
+import msgspec
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
@@ -81,21 +82,46 @@ class QueueClient:
         infos = cast("list[bytes | None]", await self.redis.mget([q.worker_key(i.decode()) for i in ids]))
         return [decode_worker_info(x) for x in infos if x]
 
+    async def routing_view(self) -> tuple[list[WorkerInfo], dict[str, tuple[int, int]]]:
+        """The live workers' heartbeat infos, and per worker the requests and prompt tokens
+        queued for it (routed to it and not yet taken), in two round trips."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.zrangebyscore(q.WORKERS, time.time(), "+inf")
+        pipe.hgetall(q.WORKER_QUEUED)
+        pipe.hgetall(q.WORKER_TOKENS)
+        ids, requests, tokens = cast("tuple[list[bytes], dict[bytes, bytes], dict[bytes, bytes]]",
+                                     await pipe.execute())
+        infos = cast("list[bytes | None]", await self.redis.mget([q.worker_key(i.decode()) for i in ids])) if ids else []
+        workers = []
+        for data in infos:
+            if data is None:
+                continue
+            try:
+                workers.append(decode_worker_info(data))
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                logger.warning("ignoring a malformed worker info: %s", exc)
+        queued = {k.decode(): (int(v), int(tokens.get(k, 0))) for k, v in requests.items()}
+        return workers, queued
+
     async def submit(self, request: QueuedRequest, max_requests: int | None = None,
-                     max_queued_tokens: int | None = None) -> None:
-        """Admit into the tenant's stream, or raise QueueFullError (TenantLimitError when the
-        tenant's own limits, default the config's, are reached) / ServiceUnavailableError."""
+                     max_queued_tokens: int | None = None, worker_id: str | None = None) -> str:
+        """Admit into the tenant's stream, or the stream routed to `worker_id` (the tenant's
+        when that worker is no longer live); returns the stream written. Raises
+        QueueFullError (TenantLimitError when the tenant's own limits, default the
+        config's, are reached) / ServiceUnavailableError."""
         config = self.config
         max_requests = max_requests or config.tenant_max_requests
         max_queued_tokens = max_queued_tokens or config.tenant_max_queued_tokens
         num_tokens = len(request.prompt_token_ids)
-        args: list[int | float | bytes] = [
+        args: list[int | float | bytes | str] = [
             config.max_queued_requests, config.max_queued_tokens, num_tokens, encode(request),
-            max_requests, max_queued_tokens, self.marker_ttl]
-        keys = [q.requests_key(request.tenant), q.QUEUED, q.QUEUED_TOKENS, q.WORKERS, q.admitted_key(request.request_id),
-                q.TENANTS, q.TENANT_TOKENS]
+            max_requests, max_queued_tokens, self.marker_ttl, worker_id or ""]
+        tenant_stream = q.requests_key(request.tenant)
+        routed = q.routed_key(worker_id, request.tenant) if worker_id else tenant_stream
+        keys = [tenant_stream, q.QUEUED, q.QUEUED_TOKENS, q.WORKERS, q.admitted_key(request.request_id),
+                q.TENANTS, q.TENANT_TOKENS, routed, q.TENANT_ROUTED, q.WORKER_TOKENS, q.WORKER_QUEUED]
         try:
-            admitted, detail = await self._admit(keys=keys, args=args)
+            admitted, detail, *written = await self._admit(keys=keys, args=args)
         except (RedisConnectionError, RedisTimeoutError) as exc:
             raise ServiceUnavailableError(f"the queue is unreachable: {exc}") from None
         except RedisOutOfMemoryError:
@@ -103,7 +129,8 @@ class QueueClient:
             # anything: nothing was admitted, and a retry may fit.
             raise ServiceUnavailableError("the queue is out of memory (Redis maxmemory); retry later") from None
         if admitted:
-            return
+            # a retried admission ("again") was written by the first try, wherever that was
+            return written[0].decode() if written else tenant_stream
         if detail == b"no_worker":
             raise ServiceUnavailableError("no worker is serving this model right now; try again shortly")
         if detail == b"tenant_requests":
@@ -124,8 +151,10 @@ class QueueClient:
 
     async def reconcile(self) -> tuple[int, int]:
         """Set the queued counters from the streams themselves; returns (requests, tokens)."""
-        queued, tokens = await self._reconcile(keys=[q.TENANTS, q.QUEUED, q.QUEUED_TOKENS, q.TENANT_TOKENS],
-                                               args=[q.GROUP])
+        queued, tokens = await self._reconcile(
+            keys=[q.TENANTS, q.QUEUED, q.QUEUED_TOKENS, q.TENANT_TOKENS, q.TENANT_ROUTED, q.WORKER_TOKENS, q.WORKERS,
+                  q.WORKER_QUEUED],
+            args=[q.GROUP, q.ROUTED + ":", q.REQUESTS])
         return int(queued), int(tokens)
 
     async def outputs(self, request_id: str, n: int, deadline: float,

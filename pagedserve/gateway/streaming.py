@@ -1,8 +1,9 @@
 """The serve path of a completion request, once it is parsed and authenticated.
 
 Each prompt of a request becomes one `QueuedRequest` (tokenized, checked against the
-context length, salted with the caller's tenant), admitted into its tenant's stream under
-the tenant's limits by the queue's Lua script. The
+context length, salted with the caller's tenant), routed to a worker (`routing`) and
+admitted into that worker's stream or its tenant's under the tenant's limits by the
+queue's Lua script. The
 answer is folded from the requests' output streams, merged across prompts, and sent whole
 or as server-sent events; a client that goes away has its requests cancelled in the worker.
 """
@@ -60,7 +61,7 @@ async def _admit(state: GatewayState, request: Request, prompts: list[list[int]]
     admitted: list[QueuedRequest] = []
     try:
         for qr in queued:
-            await state.queue.submit(qr, limits.max_requests, limits.max_queued_tokens)
+            await state.routing.submit(qr, limits.max_requests, limits.max_queued_tokens)
             admitted.append(qr)
     except PagedServeError:
         for qr in admitted:

@@ -16,6 +16,7 @@ GROUPS = {
     "schedulers": "pagedserve.schedulers",
     "samplers": "pagedserve.samplers",
     "models": "pagedserve.models",
+    "routers": "pagedserve.routers",
 }
 
 
@@ -76,5 +77,5 @@ registry = PluginRegistry()
 
 
 def load_plugin(kind: str, name: str) -> Any:
-    """The factory of plugin `name` of `kind` ("schedulers", "samplers", "models")."""
+    """The factory of plugin `name` of `kind` ("schedulers", "samplers", "models", "routers")."""
     return registry.get(kind, name)

@@ -45,6 +45,10 @@ REJECTION_REASONS = frozenset({
     "request_lost", "shutting_down", "worker_shutdown",  # 503: during a request
     "too_many_connections",  # 503: beyond --max-connections (http_timeouts)
 })
+#: why a prompt went where it went (contracts.routing.RouteReason); each exported from the start, at 0
+ROUTE_REASONS = ("cache", "load", "shared")
+#: why a prefix cache lookup gave no answer
+LOOKUP_FALLBACK_CAUSES = ("timeout", "error")
 #: the `route` of a request that matched no route (unknown paths, protocol-level answers)
 OTHER = "other"
 #: routes whose 503 is a probe's answer, not a refused request: never in requests_rejected_total
@@ -90,6 +94,8 @@ class WorkerMetrics:
         self.queue_time = histogram("request_queue_time_seconds",
                                     "Seconds from admission by the gateway until a worker took the request.",
                                     REQUEST_LATENCY_BUCKETS)
+        self.steals = counter("requests_stolen", "Requests this worker took from another worker's routed stream "
+                              "(that worker busy past steal_after, or dead).")
 
     def set_state(self, num_running: int, num_waiting: int, kv_cache_usage: float) -> None:
         """The engine's state now (after a step, or on a pass without one)."""
@@ -128,6 +134,9 @@ class WorkerMetrics:
     def observe_queue_time(self, seconds: float) -> None:
         self.queue_time.observe(max(0.0, seconds))  # clocks of two machines may disagree a little
 
+    def count_steals(self, count: int) -> None:
+        self.steals.inc(count)
+
 
 class GatewayMetrics:
     """The gateway's metrics: every answer by route and status, the 429s and 503s by reason,
@@ -144,10 +153,25 @@ class GatewayMetrics:
                                 ["status_code", "reason"], registry=registry)
         self.http_requests = Counter(PREFIX + "http_requests", "HTTP requests answered, by route template and status.",
                                      ["route", "status_code"], registry=registry)
+        routed = Counter(PREFIX + "requests_routed", "Prompts admitted, by why they went where they went: cache "
+                         "(a worker's cached prefix), load (load alone), shared (the shared queue).",
+                         ["reason"], registry=registry)
+        self.routed = {reason: routed.labels(reason) for reason in ROUTE_REASONS}
+        lookups = Counter(PREFIX + "prefix_lookup_fallbacks", "Prefix cache lookups that failed or timed out "
+                          "(the prompt was routed by load), by reason.", ["reason"], registry=registry)
+        self.lookup_fallbacks = {cause: lookups.labels(cause) for cause in LOOKUP_FALLBACK_CAUSES}
 
     def set_queue(self, queue_depth: int, workers_alive: int) -> None:
         self.queue_depth.set(queue_depth)
         self.workers_alive.set(workers_alive)
+
+    def count_routed(self, reason: str) -> None:
+        """One prompt admitted, routed for `reason` (one of ROUTE_REASONS)."""
+        self.routed[reason].inc()
+
+    def count_lookup_fallback(self, cause: str) -> None:
+        """A prefix cache lookup that did not answer in time (`timeout`) or failed (`error`)."""
+        self.lookup_fallbacks[cause].inc()
 
     def count_answer(self, route: str | None, status_code: int, reason: str | None = None) -> None:
         """One answered request. `route`: its template (None: it matched none); `reason`: the

@@ -2,9 +2,15 @@
 `QueueClient`. It reads requests, takes over those of dead workers, writes output chunks,
 acknowledges entries, listens for cancellations and keeps the heartbeat.
 
-Requests wait in one stream per tenant; each pull shares the room among the tenant streams
-in turn (`fair_shares`), so a tenant that floods the queue does not push another tenant's
-request back behind its own.
+Requests wait in one stream per tenant, and in streams routed to one worker (per worker and
+tenant, `queue_protocol.routed_key`). A pull reads in this order (`StreamView`):
+1. this worker's own routed streams;
+2. the shared tenant streams, and the routed streams of workers no longer live (orphans: a
+   dead worker's unread entries are everyone's);
+3. with room left and nothing read, the entries of live workers' routed streams that have
+   waited longer than `steal_after` (their owner is too busy): a steal.
+Each step shares the room among its streams in turn (`fair_shares`), so a tenant that floods
+the queue does not push another tenant's request back behind its own.
 
 Its promises (the gateway relies on them):
 - an entry is acknowledged only at its final outcome, and only by the worker that owns it;
@@ -22,6 +28,7 @@ import os
 import queue
 import socket
 import threading
+import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -53,10 +60,25 @@ logger = logging.getLogger(__name__)
 class TakenEntry:
     """A request this worker took from the queue."""
 
-    stream: str  # the tenant stream it waits in (queue_protocol.requests_key)
+    stream: str  # the stream it waits in (a tenant stream, or a routed one)
     entry_id: str  # in that stream
     request: QueuedRequest
     attempt: int  # delivery count: 1 unless other workers died with it
+    stolen: bool = False  # taken from another worker's routed stream (that worker busy or dead)
+
+
+@dataclass(frozen=True, slots=True)
+class StreamView:
+    """The request streams as one worker sees them at one pull."""
+
+    own: list[str]  # routed to this worker
+    shared: list[str]  # the tenant streams, and the routed streams of workers no longer live
+    others: list[str]  # routed to other live workers: stolen from once their entries wait too long
+    orphaned: frozenset[str] = frozenset()  # of `shared`, the routed ones (reading them is a steal)
+
+    @property
+    def all(self) -> list[str]:
+        return self.own + self.shared + self.others
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,9 +113,10 @@ def fair_shares(streams: list[str], room: int, start: int) -> dict[str, int]:
 class QueueConsumer:
     def __init__(self, redis_url: str, config: ServeConfig, worker_id: str | None = None):
         self.config = config
-        self.worker_id = worker_id or new_worker_id()
+        self.worker_id = q.check_worker_id(worker_id or new_worker_id())
         self.redis = redis.Redis.from_url(redis_url, socket_connect_timeout=2, health_check_interval=10)
         self._count_taken = self.redis.register_script(q.TAKEN)
+        self._steal = self.redis.register_script(q.STEAL)
         self._ack_if_owner = self.redis.register_script(q.ACK_IF_OWNER)
         self._heartbeat_script = self.redis.register_script(q.HEARTBEAT)
         self._outbox: list[tuple[str, bytes]] = []  # (output key, chunk; b"": delete) not yet written
@@ -105,50 +128,123 @@ class QueueConsumer:
         self._heartbeat: threading.Thread | None = None
         self._turn = 0  # the tenant stream the next pull starts from (round-robin)
         self._beating = True  # False while the step loop is stalled (see start_heartbeat)
+        self.num_stolen = 0  # entries taken from other workers' routed streams, since start
 
     # -- reading ------------------------------------------------------------------------------
     def tenant_streams(self) -> list[str]:
-        """The tenant streams that may hold requests, in a fixed order."""
+        """Every request stream that may hold requests (tenant and routed), in a fixed order."""
         return sorted(s.decode() for s in cast("set[bytes]", self.redis.smembers(q.TENANTS)))
 
-    def pull(self, room: int, block_ms: int | None, streams: list[str] | None = None) -> list[TakenEntry]:
-        """Up to `room` new requests, shared fairly among the tenant streams (`fair_shares`),
-        waiting up to `block_ms` when none are queued (None: do not wait). They are counted
-        out of the queue's bounds at once."""
-        streams = self.tenant_streams() if streams is None else streams
+    def streams(self) -> StreamView:
+        """The request streams, sorted into this worker's own, the shared ones and other live
+        workers' (one round trip)."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.smembers(q.TENANTS)
+        pipe.zrangebyscore(q.WORKERS, time.time(), "+inf")
+        members, live_ids = pipe.execute()
+        live = {x.decode() for x in live_ids}
+        own: list[str] = []
+        shared: list[str] = []
+        others: list[str] = []
+        orphaned = set()
+        for stream in sorted(x.decode() for x in members):
+            owner = q.routed_owner(stream)
+            if owner is None:
+                shared.append(stream)
+            elif owner == self.worker_id:
+                own.append(stream)
+            elif owner in live:
+                others.append(stream)
+            else:
+                shared.append(stream)
+                orphaned.add(stream)
+        return StreamView(own, shared, others, frozenset(orphaned))
+
+    def pull(self, room: int, block_ms: int | None, view: StreamView | None = None) -> list[TakenEntry]:
+        """Up to `room` new requests: from this worker's own routed streams first, then the
+        shared ones, each shared fairly among its streams (`fair_shares`); with room left and
+        nothing read, stolen from other workers' streams (entries older than steal_after);
+        waiting up to `block_ms` for the own and shared streams when none are queued (None:
+        do not wait). They are counted out of the queue's bounds at once."""
+        view = self.streams() if view is None else view
         entries: list[tuple[str, str, dict[bytes, bytes]]] = []
-        shares = fair_shares(streams, room, self._turn)
-        if not shares and block_ms:
-            self.wait(block_ms / 1000)
-        self._turn += len(shares)
         try:
-            if shares and block_ms:  # idle: wake at the first request of any tenant
-                entries += self._read(dict.fromkeys(shares, 1), block_ms)
-                if not entries:
-                    return []
-                shares = fair_shares(streams, room - len(entries), self._turn)
-            # Rounds: the room a stream could not use (it held fewer than its share) goes to
-            # the streams that filled theirs, so one busy tenant among idle ones still fills it.
-            for _ in range(_PULL_ROUNDS):
-                if not shares:
-                    break
-                got = self._read(shares, None)
-                entries += got
-                counts = Counter(stream for stream, _, _ in got)
-                full = [s for s in shares if counts[s] == shares[s]]
-                shares = fair_shares(full, room - len(entries), 0)
+            entries += self._read_fairly(view.own, room)
+            entries += self._read_fairly(view.shared, room - len(entries))
+            if not entries and room > 0 and view.others:
+                entries += self._read_stolen(view.others, room)
+            if not entries and block_ms:
+                entries += self._wait_and_read(view.own + view.shared, room, block_ms)
         except redis.ResponseError as exc:
             if "NOGROUP" not in str(exc):
                 raise
-            self.ensure_groups(streams)  # Redis restarted: the streams come back with their groups
+            # Redis restarted: the tenant streams come back with their groups (routed ones
+            # come back at their next admission)
+            self.ensure_groups(s for s in view.shared if q.routed_owner(s) is None)
         if not entries:
             return []
-        tokens: dict[str, int] = {}
+        tenant_tokens: dict[str, int] = {}
+        worker_taken: dict[str, tuple[int, int]] = {}  # worker routed to → (requests, tokens)
         for key, _, fields in entries:
-            tokens[key] = tokens.get(key, 0) + int(fields.get(q.PROMPT_TOKENS_FIELD, 0))
-        self._count_taken(keys=[q.QUEUED, q.QUEUED_TOKENS, q.TENANT_TOKENS],
-                          args=[len(entries), sum(tokens.values()), *[x for pair in tokens.items() for x in pair]])
-        return self._decoded((key, eid, fields, 1) for key, eid, fields in entries)
+            n = int(fields.get(q.PROMPT_TOKENS_FIELD, 0))
+            tenant = q.tenant_stream_of(key)
+            tenant_tokens[tenant] = tenant_tokens.get(tenant, 0) + n
+            if (owner := q.routed_owner(key)) is not None:
+                requests, tokens = worker_taken.get(owner, (0, 0))
+                worker_taken[owner] = (requests + 1, tokens + n)
+        self._count_taken(keys=[q.QUEUED, q.QUEUED_TOKENS, q.TENANT_TOKENS, q.WORKER_TOKENS, q.WORKER_QUEUED],
+                          args=[len(entries), sum(tenant_tokens.values()), len(tenant_tokens),
+                                *[x for pair in tenant_tokens.items() for x in pair],
+                                *[x for worker, (r, t) in worker_taken.items() for x in (worker, r, t)]])
+        stolen = set(view.others) | view.orphaned
+        taken = self._decoded((key, eid, fields, 1) for key, eid, fields in entries)
+        for entry in taken:
+            entry.stolen = entry.stream in stolen
+        self.num_stolen += sum(entry.stolen for entry in taken)
+        return taken
+
+    def _read_fairly(self, streams: list[str], room: int) -> list[tuple[str, str, dict[bytes, bytes]]]:
+        """Up to `room` new entries of these streams, shared fairly, without waiting.
+        Rounds: the room a stream could not use (it held fewer than its share) goes to the
+        streams that filled theirs, so one busy tenant among idle ones still fills it."""
+        entries: list[tuple[str, str, dict[bytes, bytes]]] = []
+        shares = fair_shares(streams, room, self._turn)
+        self._turn += len(shares)
+        for _ in range(_PULL_ROUNDS):
+            if not shares:
+                break
+            got = self._read(shares, None)
+            entries += got
+            counts = Counter(stream for stream, _, _ in got)
+            full = [s for s in shares if counts[s] == shares[s]]
+            shares = fair_shares(full, room - len(entries), 0)
+        return entries
+
+    def _wait_and_read(self, streams: list[str], room: int, block_ms: int) -> list[tuple[str, str, dict[bytes, bytes]]]:
+        """Idle: wait up to `block_ms` for the first request of any of these streams, then
+        read up to `room` fairly."""
+        shares = fair_shares(streams, room, self._turn)
+        if not shares:
+            self.wait(block_ms / 1000)
+            return []
+        self._turn += len(shares)
+        entries = self._read(dict.fromkeys(shares, 1), block_ms)
+        if entries:
+            entries += self._read_fairly(streams, room - len(entries))
+        return entries
+
+    def _read_stolen(self, streams: list[str], room: int) -> list[tuple[str, str, dict[bytes, bytes]]]:
+        """Up to `room` entries of other live workers' routed streams that waited longer than
+        steal_after (the STEAL script: atomic, so never one younger)."""
+        delay_ms = int(self.config.steal_after * 1000)
+        reply = self._steal(keys=streams, args=[q.GROUP, self.worker_id, room, delay_ms])
+        entries: list[tuple[str, str, dict[bytes, bytes]]] = []
+        for name, read in reply or []:
+            for eid, flat in read:
+                fields = dict(zip(flat[::2], flat[1::2], strict=True)) if flat else {}
+                if fields:
+                    entries.append((name.decode(), eid.decode(), fields))
+        return entries
 
     def _read(self, shares: dict[str, int], block_ms: int | None) -> list[tuple[str, str, dict[bytes, bytes]]]:
         """New entries of these streams, up to each one's share: (stream, entry id, fields).
@@ -166,7 +262,8 @@ class QueueConsumer:
         return entries
 
     def reclaim(self, room: int) -> list[TakenEntry]:
-        """Up to `room` entries of workers whose heartbeat stopped, now this worker's."""
+        """Up to `room` entries of workers whose heartbeat stopped, now this worker's (from
+        every request stream: the tenant ones and the routed ones, of any worker)."""
         claimed: list[tuple[str, str, dict[bytes, bytes], int]] = []
         for stream in self.tenant_streams():
             if len(claimed) >= room:
@@ -279,7 +376,10 @@ class QueueConsumer:
         if self._acks:
             pipe = self.redis.pipeline(transaction=False)
             for stream, entry_id in self._acks:
-                self._ack_if_owner(keys=[stream], args=[q.GROUP, self.worker_id, entry_id], client=pipe)
+                tenant = q.tenant_stream_of(stream)
+                self._ack_if_owner(keys=[stream, q.TENANT_ROUTED],
+                                   args=[q.GROUP, self.worker_id, entry_id, "" if tenant == stream else tenant],
+                                   client=pipe)
             results = pipe.execute(raise_on_error=False)
             self._acks.clear()
             for result in results:

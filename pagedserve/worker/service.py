@@ -28,14 +28,14 @@ from prometheus_client import CollectorRegistry
 from pagedserve.common.config import EngineConfig, ServeConfig
 from pagedserve.common.errors import PagedServeError
 from pagedserve.common.outputs import RequestDelta
-from pagedserve.common.queue_protocol import Chunk, WireError, WorkerInfo
+from pagedserve.common.queue_protocol import Chunk, WireError, WorkerInfo, tenant_stream_of
 from pagedserve.common.step_stats import FinishedRequestStats, StepStats
 from pagedserve.prefix_cache.publisher import KVEventPublisher
 from pagedserve.telemetry.metrics import WorkerMetrics, serve_metrics
 from pagedserve.telemetry.tracing import Tracing
 from pagedserve.worker.engine import Engine
 from pagedserve.worker.input_processor import ResumedCompletion
-from pagedserve.worker.queue_consumer import OwnedEntry, QueueConsumer, TakenEntry
+from pagedserve.worker.queue_consumer import OwnedEntry, QueueConsumer, StreamView, TakenEntry
 from pagedserve.worker.request_tracing import request_traces
 
 logger = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ SUPERVISOR_PID_ENV = "PAGEDSERVE_SUPERVISOR_PID"
 class _Running:
     """A queue entry the engine is working on."""
 
-    stream: str  # the tenant stream of its entry
+    stream: str  # the stream of its entry (a tenant stream or a routed one)
     entry_id: str  # in that stream
     request_id: str
     attempt: int  # delivery count: 1 unless another worker died with it
@@ -199,16 +199,20 @@ class WorkerService:
                 for entry in self.queue.reclaim(room):
                     self._start(entry)
             self._next_reclaim = time.monotonic() + self.config.heartbeat_interval
-        streams = self.queue.tenant_streams()
+        view = self.queue.streams()
         if (room := self._room()) > 0:
             block = None if self.engine.has_unfinished_requests() else _IDLE_BLOCK_MS
-            taken = self.queue.pull(room, block, streams)
+            taken = self.queue.pull(room, block, view)
         else:
             # Full: still take one request of each tenant that has nothing here, so that the
             # scheduler can give it its share at the next step instead of after the others.
-            present = {run.stream for run in self.running.values()}
-            newcomers = [s for s in streams if s not in present]
-            taken = self.queue.pull(len(newcomers), None, newcomers) if newcomers else []
+            # (One per stream: a tenant's own routed stream and its shared one count apart.)
+            present = {tenant_stream_of(run.stream) for run in self.running.values()}
+            newcomers = [s for s in view.own + view.shared if tenant_stream_of(s) not in present]
+            taken = self.queue.pull(len(newcomers), None, StreamView(own=[], shared=newcomers, others=[],
+                                                                     orphaned=view.orphaned)) if newcomers else []
+        if self.metrics is not None and (stolen := sum(e.stolen for e in taken)):
+            self.metrics.count_steals(stolen)
         for entry in taken:
             self._start(entry)
 
@@ -336,6 +340,8 @@ class WorkerService:
             pid=os.getpid(), host=socket.gethostname(), max_num_seqs=self.engine.config.max_num_seqs,
             num_running=len(self.running), num_free_blocks=kv.num_free_blocks, num_blocks=kv.num_blocks,
             num_cancelled=self.num_cancelled, num_taken_over=self.num_taken_over,
+            num_waiting=self.engine.scheduler.num_waiting, num_stolen=self.queue.num_stolen,
+            block_size=kv.block_size, kv_model_id=kv.model_id,
         )
 
 

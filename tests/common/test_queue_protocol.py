@@ -80,5 +80,5 @@ def test_wire_round_trip_is_msgpack_and_validates():
 
 def test_the_admission_script_writes_the_named_request_fields():
     """The Lua script spells the request entry's fields itself: they must be the protocol's."""
-    xadd = f"'XADD', KEYS[1], '*', '{q.REQUEST_FIELD.decode()}', ARGV[4], '{q.PROMPT_TOKENS_FIELD.decode()}', ARGV[3]"
+    xadd = f"'XADD', stream, '*', '{q.REQUEST_FIELD.decode()}', ARGV[4], '{q.PROMPT_TOKENS_FIELD.decode()}', ARGV[3]"
     assert xadd in q.ADMIT

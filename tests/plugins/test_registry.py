@@ -139,3 +139,10 @@ def test_plugins_list_shows_loaded_and_skipped(installed_plugin):
     assert "broken\tSKIPPED: ModuleNotFoundError" in out
     assert "fcfs\tpagedserve.plugins.fcfs_scheduler.FCFSScheduler" in out
     assert "shortest\tpagedserve_example_plugin.scheduler.ShortestPromptFirstScheduler" in out
+
+
+def test_the_routers_register_through_entry_points():
+    from pagedserve.plugins.routers import CacheAwareRouter, LeastLoadedRouter
+
+    assert load_plugin("routers", "cache-aware") is CacheAwareRouter
+    assert load_plugin("routers", "least-loaded") is LeastLoadedRouter

@@ -23,13 +23,18 @@ def test_fair_shares_split_the_room_in_turn():
     assert fair_shares([], 5, 0) == {} and fair_shares(["a"], 0, 0) == {}
 
 
-def _admit(client: redis.Redis, request_id: str, tenant: str | None, num_tokens: int = 3) -> None:
+def _admit(client: redis.Redis, request_id: str, tenant: str | None, num_tokens: int = 3,
+           worker: str | None = None) -> None:
     message = QueuedRequest(request_id=request_id, prompt_token_ids=[1] * num_tokens, tenant=tenant,
                             params=SamplingParams(max_tokens=2), deadline=time.time() + 60)
-    client.zadd(q.WORKERS, {"someone": time.time() + 60})
+    if not client.zscore(q.WORKERS, worker or "someone"):
+        client.zadd(q.WORKERS, {worker or "someone": time.time() + 60})
+    routed = q.routed_key(worker, tenant) if worker else q.requests_key(tenant)
     keys = [q.requests_key(tenant), q.QUEUED, q.QUEUED_TOKENS, q.WORKERS, q.admitted_key(request_id), q.TENANTS,
-            q.TENANT_TOKENS]
-    assert client.register_script(q.ADMIT)(keys=keys, args=[100, 10_000, num_tokens, encode(message), 100, 10_000, 60])[0] == 1
+            q.TENANT_TOKENS, routed, q.TENANT_ROUTED, q.WORKER_TOKENS, q.WORKER_QUEUED]
+    args = [100, 10_000, num_tokens, encode(message), 100, 10_000, 60, worker or ""]
+    admitted, _, stream = client.register_script(q.ADMIT)(keys=keys, args=args)
+    assert (admitted, stream.decode()) == (1, routed)
 
 
 def test_a_pull_takes_from_every_tenant_before_a_second_from_any():
@@ -79,3 +84,169 @@ def test_the_heartbeat_renews_the_markers_of_running_requests():
         assert not client.exists(q.admitted_key("theirs"))  # not this worker's to keep alive
         client.close()
         consumer.redis.close()
+
+
+# -- routed streams ----------------------------------------------------------------------------
+def _try_admit(client: redis.Redis, request_id: str, tenant: str | None, num_tokens: int, worker: str | None,
+               max_queued: int = 100, tenant_max: int = 100, tenant_tokens: int = 10_000) -> tuple[int, str]:
+    """ADMIT as the gateway runs it: (1, stream written) or (0, reason)."""
+    message = QueuedRequest(request_id=request_id, prompt_token_ids=[1] * num_tokens, tenant=tenant,
+                            params=SamplingParams(max_tokens=2), deadline=time.time() + 60)
+    routed = q.routed_key(worker, tenant) if worker else q.requests_key(tenant)
+    keys = [q.requests_key(tenant), q.QUEUED, q.QUEUED_TOKENS, q.WORKERS, q.admitted_key(request_id), q.TENANTS,
+            q.TENANT_TOKENS, routed, q.TENANT_ROUTED, q.WORKER_TOKENS, q.WORKER_QUEUED]
+    args = [max_queued, 10_000, num_tokens, encode(message), tenant_max, tenant_tokens, 60, worker or ""]
+    admitted, detail, *stream = client.register_script(q.ADMIT)(keys=keys, args=args)
+    return admitted, (stream[0] if stream else detail).decode()
+
+
+def _counters(client: redis.Redis) -> dict:
+    def ints(h):
+        return {k.decode(): int(v) for k, v in client.hgetall(h).items()}
+    return {"queued": int(client.get(q.QUEUED) or 0), "tokens": int(client.get(q.QUEUED_TOKENS) or 0),
+            "tenant_tokens": ints(q.TENANT_TOKENS), "tenant_routed": ints(q.TENANT_ROUTED),
+            "worker_tokens": ints(q.WORKER_TOKENS), "worker_queued": ints(q.WORKER_QUEUED)}
+
+
+def _reconcile(client: redis.Redis) -> list[int]:
+    keys = [q.TENANTS, q.QUEUED, q.QUEUED_TOKENS, q.TENANT_TOKENS, q.TENANT_ROUTED, q.WORKER_TOKENS, q.WORKERS,
+            q.WORKER_QUEUED]
+    return client.register_script(q.RECONCILE)(keys=keys, args=[q.GROUP, q.ROUTED + ":", q.REQUESTS])
+
+
+def test_the_stream_names_say_whose_they_are():
+    assert q.routed_key("w1", None) == "pagedserve:routed:w1"
+    assert q.routed_key("w1", "a:b") == "pagedserve:routed:w1:a:b"
+    assert [q.routed_owner(s) for s in ("pagedserve:routed:w1:a:b", "pagedserve:routed:w1", q.requests_key("A"))] \
+        == ["w1", "w1", None]
+    assert q.tenant_stream_of("pagedserve:routed:w1:a:b") == q.requests_key("a:b")
+    assert q.tenant_stream_of("pagedserve:routed:w1") == q.REQUESTS
+    assert q.tenant_stream_of(q.requests_key("A")) == q.requests_key("A")
+    for bad in ("", "host:1"):
+        try:
+            q.check_worker_id(bad)
+        except ValueError:
+            continue
+        raise AssertionError(f"{bad!r} accepted as a worker id")
+
+
+def test_admission_into_a_worker_stream_keeps_every_bound_and_counts_per_worker():
+    with EmbeddedRedis() as server:
+        client = redis.Redis.from_url(server.url)
+        assert _try_admit(client, "x", "A", 5, "w1") == (0, "no_worker")
+        client.zadd(q.WORKERS, {"w1": time.time() + 60, "gone": time.time() - 1})
+        assert _try_admit(client, "r0", "A", 5, "w1") == (1, q.routed_key("w1", "A"))
+        assert _try_admit(client, "s0", "A", 7, None) == (1, q.requests_key("A"))
+        # a tenant's requests in flight are its routed entries plus its shared ones: 2 of 2
+        assert _try_admit(client, "r1", "A", 1, "w1", tenant_max=2) == (0, "tenant_requests")
+        # its queued tokens count the routed ones too: 12 + 5 > 15
+        assert _try_admit(client, "r1", "A", 5, "w1", tenant_tokens=15) == (0, "tenant_tokens")
+        # the queue's own bound: 2 queued of 2
+        assert _try_admit(client, "r1", "B", 1, "w1", max_queued=2) == (0, "full")
+        # routed to a worker no longer live: the tenant's stream
+        assert _try_admit(client, "r2", "B", 2, "gone") == (1, q.requests_key("B"))
+        assert _try_admit(client, "r2", "B", 2, "gone") == (1, "again")  # a retry queues nothing more
+        assert client.xlen(q.requests_key("B")) == 1
+        expected = {"queued": 3, "tokens": 14, "tenant_tokens": {q.requests_key("A"): 12, q.requests_key("B"): 2},
+                    "tenant_routed": {q.requests_key("A"): 1}, "worker_tokens": {"w1": 5}, "worker_queued": {"w1": 1}}
+        assert _counters(client) == expected
+        # the reconciliation finds the same in the streams
+        client.delete(q.TENANT_TOKENS, q.TENANT_ROUTED, q.WORKER_TOKENS, q.WORKER_QUEUED)
+        assert _reconcile(client) == [3, 14]
+        assert _counters(client) == expected
+        # taken: out of the queue's counters; in flight for the tenant until its final outcome
+        consumer = QueueConsumer(server.url, ServeConfig(), worker_id="w1")
+        [routed] = consumer.pull(1, None)
+        assert (routed.request.request_id, routed.stream, routed.stolen) == ("r0", q.routed_key("w1", "A"), False)
+        after_take = _counters(client)
+        assert (after_take["worker_tokens"], after_take["worker_queued"], after_take["tenant_routed"]) \
+            == ({}, {}, {q.requests_key("A"): 1})
+        assert after_take["tenant_tokens"] == {q.requests_key("A"): 7, q.requests_key("B"): 2}
+        consumer.ack(routed.stream, routed.entry_id)
+        consumer.flush()
+        assert _counters(client)["tenant_routed"] == {} and client.xlen(routed.stream) == 0
+        client.close()
+        consumer.redis.close()
+
+
+def test_a_worker_reads_its_own_stream_first_then_the_shared_ones():
+    with EmbeddedRedis() as server:
+        client = redis.Redis.from_url(server.url)
+        client.zadd(q.WORKERS, {"w1": time.time() + 60, "w2": time.time() + 60})
+        _admit(client, "s0", "A")
+        _admit(client, "s1", "B")
+        _admit(client, "mine0", "A", worker="w1")
+        _admit(client, "mine1", "B", worker="w1")
+        _admit(client, "theirs", "A", worker="w2")
+        w1 = QueueConsumer(server.url, ServeConfig(steal_after=60), worker_id="w1")
+        view = w1.streams()
+        assert (view.own, view.others) == ([q.routed_key("w1", "A"), q.routed_key("w1", "B")], [q.routed_key("w2", "A")])
+        assert view.shared == [q.requests_key("A"), q.requests_key("B")] and not view.orphaned
+        assert sorted(e.request.request_id for e in w1.pull(2, None)) == ["mine0", "mine1"]
+        # then the shared ones; w2's entry is young and w2 lives: not w1's to take
+        assert sorted(e.request.request_id for e in w1.pull(10, None)) == ["s0", "s1"]
+        assert w1.pull(10, None) == [] and w1.num_stolen == 0
+        w2 = QueueConsumer(server.url, ServeConfig(), worker_id="w2")
+        assert [e.request.request_id for e in w2.pull(10, None)] == ["theirs"]
+        assert _counters(client)["queued"] == 0
+        for c in (client, w1.redis, w2.redis):
+            c.close()
+
+
+def test_a_worker_with_room_steals_what_waited_too_long_in_a_busy_workers_stream():
+    with EmbeddedRedis() as server:
+        client = redis.Redis.from_url(server.url)
+        client.zadd(q.WORKERS, {"w1": time.time() + 60, "busy": time.time() + 60})
+        _admit(client, "old0", "A", worker="busy")
+        _admit(client, "old1", None, worker="busy")
+        thief = QueueConsumer(server.url, ServeConfig(steal_after=0.3), worker_id="w1")
+        assert thief.pull(4, None) == []  # younger than steal_after: left to their worker
+        time.sleep(0.35)
+        _admit(client, "young", "A", worker="busy")
+        stolen = thief.pull(4, None)
+        assert sorted(e.request.request_id for e in stolen) == ["old0", "old1"]  # never the young one
+        assert all(e.stolen for e in stolen) and thief.num_stolen == 2
+        assert _counters(client)["worker_queued"] == {"busy": 1}
+        # what it stole, it owns: its ack settles the entry
+        for e in stolen:
+            thief.ack(e.stream, e.entry_id)
+        thief.flush()
+        assert client.xlen(q.routed_key("busy", "A")) == 1 and client.xlen(q.routed_key("busy", None)) == 0
+        client.close()
+        thief.redis.close()
+
+
+def test_a_dead_workers_stream_is_taken_by_a_worker_that_is_not_idle():
+    """Undelivered entries of a dead worker's stream are everyone's (read with the shared
+    ones, not only when idle); the entries it had read are reclaimed; once settled, its
+    stream is deleted."""
+    config = ServeConfig(steal_after=60, heartbeat_interval=0.05, worker_timeout=0.2)
+    with EmbeddedRedis() as server:
+        client = redis.Redis.from_url(server.url)
+        client.zadd(q.WORKERS, {"w1": time.time() + 60, "dead": time.time() + 60})
+        for i in range(3):
+            _admit(client, f"d{i}", "A", worker="dead")
+        _admit(client, "s0", "A")
+        dead = QueueConsumer(server.url, config, worker_id="dead")
+        [running] = dead.pull(1, None)  # it runs d0, then dies
+        client.zadd(q.WORKERS, {"dead": time.time() - 1})
+        w1 = QueueConsumer(server.url, config, worker_id="w1")
+        taken = w1.pull(8, None)
+        assert sorted((e.request.request_id, e.stolen) for e in taken) == [("d1", True), ("d2", True), ("s0", False)]
+        for e in taken:  # settled (w1 beats no heartbeat here: unsettled, they would move too)
+            w1.ack(e.stream, e.entry_id)
+        w1.flush()
+        time.sleep(0.25)  # past worker_timeout: d0's entry is idle long enough to move
+        [moved] = w1.reclaim(8)
+        assert (moved.request.request_id, moved.attempt, moved.stream) == ("d0", 2, running.stream)
+        assert dead.ack(running.stream, running.entry_id) is None
+        dead.flush()  # not its own anymore: nothing happens
+        assert client.xlen(running.stream) == 1
+        for e in [moved]:
+            w1.ack(e.stream, e.entry_id)
+        w1.flush()
+        assert _reconcile(client) == [0, 0]
+        assert not client.exists(running.stream) and client.smembers(q.TENANTS) == set()
+        assert _counters(client)["tenant_routed"] == {}
+        for c in (client, w1.redis, dead.redis):
+            c.close()

@@ -11,7 +11,7 @@ import nothing else of pagedserve. One engine step hands these from stage to sta
 No module here imports torch at run time: tensors appear in annotations only.
 """
 
-from pagedserve.common.config import EngineConfig
+from pagedserve.common.config import EngineConfig, ServeConfig
 from pagedserve.common.contracts.model import (
     AttentionBackend,
     AttentionMetadata,
@@ -56,6 +56,7 @@ __all__ = [
     "DecoderLayerWeights",
     "DecoderWeights",
     "EngineConfig",
+    "ServeConfig",
     "KVCacheManager",
     "KernelOps",
     "Kernels",

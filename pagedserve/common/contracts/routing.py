@@ -28,10 +28,11 @@ class WorkerCandidate:
 
     worker_id: str
     cached_tokens: int  # leading prompt tokens the index says this worker holds (0: none or unknown)
-    num_running: int  # requests in its engine, as of its last heartbeat
+    num_running: int  # requests its engine runs (not the waiting ones), as of its last heartbeat
     num_waiting: int  # requests its engine has taken but not started, as of its last heartbeat
     queued_tokens: int  # prompt tokens routed to this worker and not yet taken by any worker
     max_num_seqs: int  # how many requests its engine runs at once
+    queued_requests: int = 0  # requests routed to this worker and not yet taken (as far as the gateway knows)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +56,8 @@ class RouteDecision:
 
 class RouterPlugin(ABC):
     """A routing policy, registered under the `pagedserve.routers` entry-point group and built
-    as `factory(config)` with the gateway's `ServeConfig`."""
+    as `factory(config)` with the gateway's `ServeConfig` (`ServeConfig` is importable from
+    `pagedserve.common.contracts`)."""
 
     API_VERSION = API_VERSION
 
