@@ -91,6 +91,21 @@ def test_fused_step_refuses_bad_inputs(tiny_checkpoint):
 
     fused.forward(batch())  # in range: runs
     for bad, match in ((dict(token=320), "vocabulary"), (dict(position=512), "rotary table"),
-                       (dict(slot=num_slots), "beyond the KV cache")):
+                       (dict(slot=num_slots), "beyond the KV cache"), (dict(slot=-2), "beyond the KV cache"),
+                       (dict(position=40), "longer than its block table")):
         with pytest.raises(RuntimeError, match=match):
             fused.forward(batch(**bad))
+    far = batch()
+    far.block_tables[0, 0] = engine.runner.num_blocks  # a block id past the cache
+    with pytest.raises(RuntimeError, match="block id beyond"):
+        fused.forward(far)
+
+
+def test_a_subclass_with_its_own_lm_head_is_never_fused():
+    from pagedserve.plugins.models.llama import LlamaForCausalLM
+
+    class Capped(LlamaForCausalLM):
+        def compute_logits(self, hidden_states):
+            return super().compute_logits(hidden_states).clamp(-30, 30)
+
+    assert Capped.decoder_weights(object.__new__(Capped)) is None

@@ -178,5 +178,6 @@ class CausalLMPlugin(ABC):
     def decoder_weights(self) -> DecoderWeights | None:
         """The weights in the Llama layout, if this model has it: then a worker may run its
         small decode steps in a fused kernel (`kernels/cpu_decode.py`) instead of `forward`.
-        None (the default): always `forward`."""
+        None (the default): always `forward`. Returning weights commits the plugin to exactly
+        the Llama computation, LM head included: a kernel runs it instead of this module."""
         return None

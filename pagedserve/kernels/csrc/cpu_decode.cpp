@@ -161,8 +161,21 @@ class FusedDecoder {
       TORCH_CHECK(kv.scalar_type() == at::kFloat && kv.is_contiguous() && kv.dim() == 5 && kv.size(0) == 2 &&
                       kv.size(3) * kv.size(4) == kv_size_,
                   "each KV cache is a contiguous float32 [2, blocks, block_size, kv_heads, head_dim]");
-    for (int64_t r = 0; r < m; ++r)
-      TORCH_CHECK(slots.data_ptr<int64_t>()[r] < kv_caches[0].size(1) * kv_caches[0].size(2), "slot beyond the KV cache");
+    const int64_t num_blocks = kv_caches[0].size(1), bs = kv_caches[0].size(2);
+    TORCH_CHECK(block_tables.is_contiguous() && seq_lens.is_contiguous() && block_tables.dim() == 2, "contiguous tables");
+    const int32_t* tables = block_tables.data_ptr<int32_t>();
+    const int32_t* lens = seq_lens.data_ptr<int32_t>();
+    for (auto& kv : kv_caches) TORCH_CHECK(kv.size(1) == num_blocks && kv.size(2) == bs, "every layer's cache alike");
+    for (int64_t r = 0; r < m; ++r) {
+      const int64_t s = slots.data_ptr<int64_t>()[r];
+      TORCH_CHECK(s == -1 || (s >= 0 && s < num_blocks * bs), "slot beyond the KV cache");
+      TORCH_CHECK(lens[r] == pos[r] + 1, "a decode's context ends at its position");
+      TORCH_CHECK(lens[r] <= block_tables.size(1) * bs, "context longer than its block table");
+      for (int64_t j = 0; j < (lens[r] + bs - 1) / bs; ++j) {
+        const int32_t b = tables[r * block_tables.size(1) + j];
+        TORCH_CHECK(b >= 0 && b < num_blocks, "block id beyond the KV cache");
+      }
+    }
     for (int64_t r = 0; r < m; ++r) std::memcpy(residual + r * H, embed + ids[r] * H, H * sizeof(float));
     for (size_t li = 0; li < layers_.size(); ++li) {
       const Layer& L = layers_[li];

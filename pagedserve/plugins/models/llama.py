@@ -125,7 +125,12 @@ class LlamaForCausalLM(nn.Module, CausalLMPlugin):
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden_states, weight).float()  # [n, vocab]
 
-    def decoder_weights(self) -> DecoderWeights:
+    def decoder_weights(self) -> DecoderWeights | None:
+        # A subclass that computes anything differently (its own forward or LM head) must
+        # not be run by a kernel that only knows this computation.
+        cls = type(self)
+        if cls.forward is not LlamaForCausalLM.forward or cls.compute_logits is not LlamaForCausalLM.compute_logits:
+            return None
         layers = []
         for layer in cast(Iterable[DecoderLayer], self.layers):
             attn = layer.self_attn
