@@ -26,6 +26,15 @@ from pagedserve.common.queue_protocol import (
 API_KEYS = {"sk-test-a": "tenant-a", "sk-test-b": "tenant-b"}
 
 
+def wait_until(predicate, what: str, timeout: float = 30.0):
+    """Poll `predicate` until it returns something true (returned), or fail naming `what`."""
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+    return value
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

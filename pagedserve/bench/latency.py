@@ -48,7 +48,8 @@ def measure_pagedserve(model: str, threads: int, prompt: int, tokens: int, repea
     engine = llm.engine
     vocab = engine.hf_config.vocab_size
     generator = torch.Generator().manual_seed(0)
-    llm.generate([[11] * 8], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
+    # warm-up with a prompt of the measured length, so the first TTFT is not a cold one
+    llm.generate([[11] * prompt], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     decode, ttft = [], []
     for i in range(repeat):
         engine.add_request(f"decode-{i}", [int(torch.randint(100, vocab - 100, (1,), generator=generator))],

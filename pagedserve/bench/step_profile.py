@@ -116,7 +116,10 @@ def profile_decode(engine, batch_size: int, prompt_len: int = 128, steps: int = 
     `steps` decode steps of all of them together."""
     generator = torch.Generator().manual_seed(seed)
     vocab = engine.hf_config.vocab_size
-    params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
+    # the first requests decode while later ones are still in their prefill chunks: leave
+    # them enough tokens that all `batch_size` still run in every profiled step
+    prefill_steps = -(-batch_size * prompt_len // engine.config.max_num_batched_tokens) + 1
+    params = SamplingParams(max_tokens=steps + prefill_steps + 2, temperature=0.0, ignore_eos=True)
     for i in range(batch_size):
         prompt = torch.randint(100, vocab - 100, (prompt_len,), generator=generator).tolist()
         engine.add_request(f"profile-{batch_size}-{i}", prompt, params)
@@ -135,6 +138,8 @@ def profile_decode(engine, batch_size: int, prompt_len: int = 128, steps: int = 
         started = time.perf_counter()
         for _ in range(steps):
             engine.step()
+            assert engine.last_step is not None and engine.last_step.num_batched_tokens == batch_size, \
+                "a profiled step decoded other than the whole batch"
         total = time.perf_counter() - started
         timers.on = False
         if use_fused:

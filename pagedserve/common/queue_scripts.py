@@ -100,28 +100,35 @@ end
 return 1
 """
 
+#: A Lua function the scripts below share: the id of the last entry a consumer group has
+#: been handed in a stream (everything after it is unread), or nil without that group.
+_GROUP_CURSOR = """
+local function group_cursor(stream, group)
+  local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', stream)
+  if not ok then return nil end
+  for _, g in ipairs(groups) do
+    local info = {}
+    for i = 1, #g, 2 do info[g[i]] = g[i + 1] end
+    if info['name'] == group then return info['last-delivered-id'] end
+  end
+  return nil
+end
+"""
+
 #: Steal: read, for this worker, the entries of other workers' routed streams that have
 #: waited there longer than a delay (their owner is too busy to take them). Atomic, so an
 #: entry is read by one worker only and never one younger than the delay. KEYS: the routed
 #: streams to steal from. ARGV: group, consumer, most entries in all, delay in
 #: milliseconds. Returns an XREADGROUP reply: {stream, {{id, {field, value, ...}}, ...}}
 #: per stream it read from.
-STEAL = """
+STEAL = _GROUP_CURSOR + """
 local now = redis.call('TIME')
 local cutoff = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000) - tonumber(ARGV[4])
 local room = tonumber(ARGV[3])
 local out = {}
 for _, stream in ipairs(KEYS) do
   if room <= 0 then break end
-  local last = nil
-  local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', stream)
-  if ok then
-    for _, g in ipairs(groups) do
-      local info = {}
-      for i = 1, #g, 2 do info[g[i]] = g[i + 1] end
-      if info['name'] == ARGV[1] then last = info['last-delivered-id'] end
-    end
-  end
+  local last = group_cursor(stream, ARGV[1])
   if last ~= nil then
     local aged = 0
     for _, entry in ipairs(redis.call('XRANGE', stream, '(' .. last, '+', 'COUNT', room)) do
@@ -186,7 +193,7 @@ return lost
 #: KEYS: tenants set, queued, queued_tokens, tenant tokens hash, tenant routed hash, worker
 #: tokens hash, workers, worker queued hash. ARGV: group, routed prefix (queue_protocol.ROUTED .. ':'), the
 #: stream of callers without a tenant (queue_protocol.REQUESTS). Returns {queued, queued tokens}.
-RECONCILE = """
+RECONCILE = _GROUP_CURSOR + """
 local now = redis.call('TIME')
 local t = tonumber(now[1]) + tonumber(now[2]) / 1e6
 local prefix = ARGV[2]
@@ -214,15 +221,7 @@ for _, stream in ipairs(redis.call('SMEMBERS', KEYS[1])) do
       redis.call('DEL', stream)
     end
   else
-    local last = '0-0'
-    local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', stream)
-    if ok then
-      for _, g in ipairs(groups) do
-        local info = {}
-        for i = 1, #g, 2 do info[g[i]] = g[i + 1] end
-        if info['name'] == ARGV[1] then last = info['last-delivered-id'] end
-      end
-    end
+    local last = group_cursor(stream, ARGV[1]) or '0-0'
     local stream_tokens, stream_queued = 0, 0
     for _, entry in ipairs(redis.call('XRANGE', stream, '(' .. last, '+')) do
       stream_queued = stream_queued + 1

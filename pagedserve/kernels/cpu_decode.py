@@ -37,7 +37,7 @@ def fused_decode_supported(weights: DecoderWeights | None, dtype: torch.dtype, d
 class FusedDecoder:
     """The decode forward and the LM head of one model, for batches of a few sequences."""
 
-    def __init__(self, weights: DecoderWeights, kv_caches: list[torch.Tensor], block_size: int, max_batch: int):
+    def __init__(self, weights: DecoderWeights, kv_caches: list[torch.Tensor], max_batch: int):
         kernels = cpu_kernels()
         assert kernels is not None, "check fused_decode_supported first"
         self._kernels = kernels
@@ -49,7 +49,7 @@ class FusedDecoder:
                   for w in weights.layers]
         self._impl = kernels.FusedDecoder(weights.embed, layers, weights.final_norm, weights.cos.float(),
                                           weights.sin.float(), weights.num_heads, weights.num_kv_heads,
-                                          weights.head_dim, weights.rms_norm_eps, block_size)
+                                          weights.head_dim, weights.rms_norm_eps)
 
     def forward(self, batch: ModelInput) -> torch.Tensor:
         """Hidden states [num_seqs, hidden] of a decode-only step (one token per sequence)."""

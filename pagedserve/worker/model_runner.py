@@ -90,7 +90,7 @@ class ModelRunner:
             logger.info("decode steps run eagerly: %s", problem)
             return
         assert weights is not None  # checked above
-        self.fused_decoder = FusedDecoder(weights, self.kv_caches, self.block_size, max_batch)
+        self.fused_decoder = FusedDecoder(weights, self.kv_caches, max_batch)
         logger.info("decode steps of up to %d sequences run in the fused CPU step", max_batch)
 
     @torch.inference_mode()
@@ -187,8 +187,8 @@ class ModelRunner:
         """float32 logits of these rows of the hidden states; a few rows go through the fused
         step's LM head, which reads the vocabulary's weights about twice as fast on CPU."""
         fused = self.fused_decoder
-        if rows == list(range(hidden.shape[0])):
-            selected = hidden  # every row: no gather
+        if len(rows) == hidden.shape[0]:
+            selected = hidden  # every row (rows are distinct and increasing): no gather
         else:
             selected = hidden[torch.tensor(rows, dtype=torch.long, device=self.device)]
         if fused is not None and len(rows) <= fused.max_batch:

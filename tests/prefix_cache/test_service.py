@@ -18,19 +18,14 @@ from pagedserve.prefix_cache.index_client import IndexClient
 from pagedserve.prefix_cache.publisher import KV_EVENTS, KVEventPublisher
 from pagedserve.prefix_cache.service import PrefixCacheService
 
+from serve_helpers import wait_until
+
 
 @pytest.fixture(scope="module")
 def redis_url():
     server = EmbeddedRedis().start()
     yield server.url
     server.stop()
-
-
-def _wait(predicate, what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 def _fill(pool: BlockPool, hashes: list[bytes]) -> list:
@@ -61,23 +56,23 @@ def test_publisher_service_and_client(redis_url):
     url = f"http://127.0.0.1:{service.port}"
     try:
         _fill(pool, chain[:3])
-        _wait(lambda: publisher.publish() or service.index.workers() == {"w1": 3}, "the first batches")
+        wait_until(lambda: publisher.publish() or service.index.workers() == {"w1": 3}, "the first batches")
         assert _lookup(url, chain) == {"w1": 3}
 
         # a malformed entry in the stream is counted and skipped
         redis.xadd(KV_EVENTS, {"batch": b"\x00not msgpack"})
-        _wait(lambda: service.num_malformed == 1, "the malformed batch")
+        wait_until(lambda: service.num_malformed == 1, "the malformed batch")
 
         # the service restarts: it knows nothing, asks the live worker, and gets its snapshot
         service.stop()
         service = PrefixCacheService(redis_url, liveness_interval=0.05).start(port=0)
         url = f"http://127.0.0.1:{service.port}"
-        _wait(lambda: publisher.publish() or service.index.workers() == {"w1": 3}, "the snapshot")
+        wait_until(lambda: publisher.publish() or service.index.workers() == {"w1": 3}, "the snapshot")
         assert _lookup(url, chain) == {"w1": 3} and service.index.stats.snapshots == 1
 
         # the worker's heartbeat goes: its blocks leave the index
         redis.zrem(q.WORKERS, "w1")
-        _wait(lambda: service.index.workers() == {}, "the dead worker's removal")
+        wait_until(lambda: service.index.workers() == {}, "the dead worker's removal")
         assert _lookup(url, chain) == {}
         metrics = httpx.get(url + "/metrics").text
         assert "pagedserve:prefix_index_malformed_total 0.0" in metrics  # the new service saw none

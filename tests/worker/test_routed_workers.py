@@ -24,6 +24,8 @@ from pagedserve.plugins.routers import CacheAwareRouter
 from pagedserve.telemetry.metrics import GatewayMetrics
 from pagedserve.worker.service import WorkerService
 
+from serve_helpers import wait_until
+
 PARAMS = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
 
@@ -54,14 +56,6 @@ class ScriptedRouter(RouterPlugin):
         return RouteDecision(self.target, "load")
 
 
-def _wait(predicate, what: str, timeout: float = 30.0):
-    deadline = time.monotonic() + timeout
-    while not (value := predicate()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
-    return value
-
-
 def _start(path: str, config: ServeConfig, n: int = 2) -> tuple[list[WorkerService], list[threading.Thread], EmbeddedRedis]:
     redis_server = EmbeddedRedis().start()
     services = [WorkerService(LLM(path, kv_cache_memory=1 << 22, attention_backend="torch", max_num_seqs=2).engine,
@@ -69,7 +63,7 @@ def _start(path: str, config: ServeConfig, n: int = 2) -> tuple[list[WorkerServi
     threads = [threading.Thread(target=s.run, daemon=True) for s in services]
     for t in threads:
         t.start()
-    _wait(lambda: all(s.queue.redis.get(q.worker_key(s.worker_id)) for s in services), "every worker announced")
+    wait_until(lambda: all(s.queue.redis.get(q.worker_key(s.worker_id)) for s in services), "every worker announced")
     return services, threads, redis_server
 
 
@@ -170,13 +164,13 @@ def test_a_worker_killed_holding_routed_and_stolen_requests_loses_none(tiny_chec
             for rid in ("r0", "r1", "r2"):
                 await routing.submit(requests[rid])
                 readers[rid] = asyncio.create_task(_read(client, requests[rid]))
-            await asyncio.to_thread(_wait, lambda: victim.queue.num_stolen == 1, "the victim stealing one")
+            await asyncio.to_thread(wait_until, lambda: victim.queue.num_stolen == 1, "the victim stealing one")
             # 3 routed to the victim: it runs one beside the stolen one, two wait in its stream
             router.target = victim.worker_id
             for rid in ("r3", "r4", "r5"):
                 await routing.submit(requests[rid])
                 readers[rid] = asyncio.create_task(_read(client, requests[rid]))
-            held = await asyncio.to_thread(_wait, lambda: len(victim.running) == 2 and dict(victim.running),
+            held = await asyncio.to_thread(wait_until, lambda: len(victim.running) == 2 and dict(victim.running),
                                            "the victim running two")
             dead.set()
             logs = {rid: await task for rid, task in readers.items()}

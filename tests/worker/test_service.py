@@ -15,6 +15,8 @@ from pagedserve.entrypoints.redis_server import EmbeddedRedis
 from pagedserve.gateway.queue_client import QueueClient
 from pagedserve.worker.service import WorkerService
 
+from serve_helpers import wait_until
+
 
 def test_a_worker_drains_and_exits_when_redis_is_gone(tiny_checkpoint):
     engine = LLM(str(tiny_checkpoint("llama-gqa")), kv_cache_memory=1 << 22).engine
@@ -36,14 +38,6 @@ def test_a_worker_drains_and_exits_when_redis_is_gone(tiny_checkpoint):
     thread.join(timeout=1.0 + 5)
     assert not thread.is_alive(), "the worker kept retrying Redis instead of draining"
     assert time.monotonic() - started < 6
-
-
-def _wait(predicate, what: str, timeout: float = 30.0):
-    deadline = time.monotonic() + timeout
-    while not (value := predicate()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
-    return value
 
 
 def _read_request(redis_url: str, config: ServeConfig, request: QueuedRequest) -> tuple[str, OutputLog]:
@@ -103,11 +97,11 @@ def test_a_frozen_step_loop_stops_beating_and_its_request_moves(tiny_checkpoint,
     reader = threading.Thread(target=lambda: result.setdefault("out", _read_request(redis_server.url, config, request)),
                               daemon=True)
     try:
-        _wait(lambda: all(s.queue.redis.zscore(q.WORKERS, s.worker_id) for s in services), "both workers beating")
+        wait_until(lambda: all(s.queue.redis.zscore(q.WORKERS, s.worker_id) for s in services), "both workers beating")
         reader.start()
-        hung = _wait(lambda: frozen, "a worker hanging in its step")[0]
+        hung = wait_until(lambda: frozen, "a worker hanging in its step")[0]
         other = services[1 - services.index(hung)]
-        _wait(lambda: other.num_taken_over == 1, "the other worker taking the request over")
+        wait_until(lambda: other.num_taken_over == 1, "the other worker taking the request over")
         # The hung worker stopped beating: out of the live set, its info expired.
         assert not hung.loop_alive()
         assert hung.queue.redis.zscore(q.WORKERS, hung.worker_id) < time.time()
@@ -115,7 +109,7 @@ def test_a_frozen_step_loop_stops_beating_and_its_request_moves(tiny_checkpoint,
         assert "frozen-1" in other.running
         wake.set()
         # It wakes, learns from its heartbeat that the request is another's, and drops it.
-        _wait(lambda: not hung.running and not hung.engine.has_unfinished_requests(), "the woken worker dropping it")
+        wait_until(lambda: not hung.running and not hung.engine.has_unfinished_requests(), "the woken worker dropping it")
         assert "frozen-1" in other.running  # dropped, not finished: the other still runs it
         reader.join(timeout=60)
         text, log = result["out"]

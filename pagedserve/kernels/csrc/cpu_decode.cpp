@@ -10,7 +10,8 @@
 //    auto-vectorized under -march=native), split across torch's intra-op threads by output
 //    rows. Every row of x is applied to a weight row while it is in L1.
 //  - the element-wise work (residual add, RMSNorm, rotary, SiLU·mul, the KV store) runs as
-//    plain loops over the few rows, between the products, with no allocation.
+//    plain loops over the few rows, between the products, in scratch buffers kept from
+//    step to step (only the attention kernel's query and output are allocated per layer).
 //  - attention is the paged decode kernel of cpu_paged_attention.cpp.
 //
 // It computes exactly what the eager model computes (plugins/models/llama.py with the torch
@@ -95,10 +96,10 @@ class FusedDecoder {
   // (undefined tensors — None from Python — where the model has none); cos/sin [positions, head_dim].
   FusedDecoder(torch::Tensor embed, std::vector<std::vector<c10::optional<torch::Tensor>>> layers,
                torch::Tensor final_norm, torch::Tensor cos, torch::Tensor sin, int64_t num_heads,
-               int64_t num_kv_heads, int64_t head_dim, double eps, int64_t block_size)
+               int64_t num_kv_heads, int64_t head_dim, double eps)
       : embed_(embed.contiguous()), final_norm_(final_norm.contiguous()), cos_(cos.contiguous()),
         sin_(sin.contiguous()), num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim),
-        eps_(static_cast<float>(eps)), block_size_(block_size) {
+        eps_(static_cast<float>(eps)) {
     TORCH_CHECK(embed_.scalar_type() == at::kFloat && cos_.scalar_type() == at::kFloat, "FusedDecoder is float32 only");
     auto get = [](const c10::optional<torch::Tensor>& t) {
       return t.has_value() ? t->contiguous() : torch::Tensor();
@@ -252,7 +253,6 @@ class FusedDecoder {
   std::vector<Layer> layers_;
   int64_t num_heads_, num_kv_heads_, head_dim_;
   float eps_;
-  int64_t block_size_;
   int64_t hidden_size_ = 0, intermediate_ = 0, q_size_ = 0, kv_size_ = 0;
   double scale_ = 1.0;
   std::vector<float> residual_, normed_, qkv_, mlp_, act_;  // scratch, grown to the largest batch
@@ -265,7 +265,7 @@ void bind_cpu_decode(pybind11::module& m) {
         pybind11::arg("w"), pybind11::arg("bias") = pybind11::none());
   pybind11::class_<FusedDecoder>(m, "FusedDecoder")
       .def(pybind11::init<torch::Tensor, std::vector<std::vector<c10::optional<torch::Tensor>>>, torch::Tensor,
-                          torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t, double, int64_t>())
+                          torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t, double>())
       .def("forward", &FusedDecoder::forward)
       .def("take_profile", &FusedDecoder::take_profile)
       .def("set_profile", &FusedDecoder::set_profile);
