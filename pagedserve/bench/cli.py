@@ -77,6 +77,9 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:
     online.add_argument("--api-key", default=None)
     online.add_argument("--slo", default=None, help="e.g. ttft=500,tpot=50 (milliseconds), for goodput")
     online.add_argument("--no-progress", action="store_true")
+    online.add_argument("--metrics-url", default=None, metavar="URL[,URL...]",
+                        help="Prometheus endpoints of the gateway, workers and prefix cache service: their "
+                             "counters' changes over each run are printed (hits by source, routing, steals, tier)")
     online.add_argument("--json", action="store_true")
     online.add_argument("--plot", default=None, metavar="FILE.png", help="throughput-latency curve and percentiles")
     online.set_defaults(func=_bench_serve)

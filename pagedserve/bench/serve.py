@@ -20,6 +20,7 @@ import random
 import time
 from collections.abc import Sequence
 
+from pagedserve.bench import server_counters
 from pagedserve.bench.metrics import RequestRecord, format_summary, parse_slo, summarize
 from pagedserve.bench.workloads import Conversation, conversations
 
@@ -139,16 +140,22 @@ def run(args: argparse.Namespace) -> int:
     work = conversations(args.workload, args.vocab_size, args.num_requests)
     num_requests = sum(len(c) for c in work)
     summaries = []
+    metrics_urls = [u.strip() for u in (args.metrics_url or "").split(",") if u.strip()]
     for rate_text in args.request_rate.split(","):
         rate = math.inf if rate_text.strip() == "inf" else float(rate_text)
+        before = server_counters.scrape(metrics_urls) if metrics_urls else {}
         records, duration = asyncio.run(run_conversations(
             args.base_url, work, rate, args.max_concurrency, args.model, args.api_key,
             progress=not args.no_progress,
         ))
         summary = {"request_rate": rate_text.strip(), **summarize(records, duration, slo)}
-        summaries.append(summary)
         print(f"workload={args.workload} requests={num_requests} rate={rate_text.strip()} max_concurrency={args.max_concurrency}")
         print(format_summary(summary))
+        if metrics_urls:
+            counts = server_counters.changes(before, server_counters.scrape(metrics_urls))
+            print(server_counters.format_changes(counts))
+            summary["server_counters"] = counts
+        summaries.append(summary)
     if args.plot:
         from pagedserve.bench.plots import plot_latency_curve
 

@@ -38,6 +38,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     #: (kernels/cpu_decode.py); 0 turns it off
     fused_decode_max_batch: int = 16
     max_n: int = 16  # largest n a request may ask for
+    #: bytes of the shared KV tier (worker/kv_tier.py): blocks evicted from the pool stay
+    #: loadable by every worker of the model; 0: off. Flags and env take sizes like 8GiB
+    kv_tier_memory: int = 0
+    #: the Redis that holds the tier; None: `serve`'s workers use the queue's Redis
+    kv_tier_url: str | None = None
+    kv_tier_timeout: float = 2.0  # seconds a new request waits for its tier lookup; past it, it computes
     seed: int = 0  # seeds the sampler of requests that give no seed
     num_threads: int | None = None  # torch CPU threads; None: torch's default
 
@@ -66,6 +72,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise InvalidParameterError("gpu_memory_utilization", "must be in (0, 1]")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise InvalidParameterError("kv_cache_memory", "must be > 0 bytes")
+        if self.kv_tier_memory < 0:
+            raise InvalidParameterError("kv_tier_memory", "must be >= 0 bytes (0: no tier)")
+        if self.kv_tier_timeout <= 0:
+            raise InvalidParameterError("kv_tier_timeout", "must be > 0 seconds")
 
 
 class ServeConfig(msgspec.Struct, kw_only=True):

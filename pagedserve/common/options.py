@@ -43,6 +43,13 @@ def build(struct_type: type, args: argparse.Namespace | None = None, environ: Ma
             value = environ.get("PAGEDSERVE_" + f.name.upper())
             if value is not None and value.lower() in ("", "none", "null") and f.default is None:
                 value = None
+        if isinstance(value, str) and f.name.endswith("memory") and value.lower() not in ("", "none", "null"):
+            from pagedserve.common.planner import parse_bytes  # noqa: PLC0415 - only for sizes
+
+            try:
+                value = parse_bytes(value)  # "8GiB" as well as "8589934592"
+            except InvalidParameterError as exc:
+                raise InvalidParameterError(f.name, str(exc).split(": ", 1)[-1]) from None
         if value is not None:
             values[f.name] = value
     try:

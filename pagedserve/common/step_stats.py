@@ -49,8 +49,9 @@ class StepStats:
     num_waiting: int  # sequences not yet admitted, after the step
     kv_cache_usage: float  # share of the KV blocks in use, after the step (0..1)
     prefix_cache_queries: int  # blocks looked up in the prefix cache during the step
-    prefix_cache_hits: int  # of those, blocks found
+    prefix_cache_hits: int  # of those, blocks found (in the pool, or loaded from the KV tier)
     inter_token_latencies: tuple[float, ...]  # per request that had a token before: seconds since its last one
+    prefix_cache_tier_hits: int = 0  # of the hits, blocks loaded from the shared KV tier for them
 
     @property
     def duration(self) -> float:

@@ -55,6 +55,8 @@ _OWN_PROCESS_GROUP: dict[str, Any] = (
     {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp})
 #: where a worker reads the Redis URL (options.build reads it for ServeConfig.redis_url)
 _REDIS_URL_ENV = "PAGEDSERVE_REDIS_URL"
+#: where a worker reads the KV tier's Redis URL (options.build reads it for EngineConfig.kv_tier_url)
+_KV_TIER_URL_ENV = "PAGEDSERVE_KV_TIER_URL"
 #: the launcher's pid, for a worker to notice it is gone (pagedserve.worker.service reads it)
 _SUPERVISOR_PID_ENV = "PAGEDSERVE_SUPERVISOR_PID"
 #: where worker i reads its metrics port (--worker-metrics-port + i)
@@ -146,10 +148,12 @@ def _worker_plan(config: ServeConfig, engine: EngineConfig, redis_url: str) -> t
         # CPU workers share the cores instead of each taking all of them.
         engine = msgspec.structs.replace(engine, num_threads=max(1, (os.cpu_count() or 1) // count))
     flags = (options.to_flags(msgspec.structs.replace(config, redis_url=None, worker_metrics_port=None))
-             + options.to_flags(engine))
+             + options.to_flags(msgspec.structs.replace(engine, kv_tier_url=None)))
     argv = [sys.executable, "-m", "pagedserve.entrypoints.cli", "worker", *flags]
     base = {k: v for k, v in os.environ.items() if k not in (*_GATEWAY_ONLY_ENV, _METRICS_PORT_ENV)}
     base.update({_REDIS_URL_ENV: redis_url, _SUPERVISOR_PID_ENV: str(os.getpid())})
+    if engine.kv_tier_url is not None:  # a URL may hold a password: never in argv
+        base[_KV_TIER_URL_ENV] = engine.kv_tier_url
     envs = []
     for i in range(count):
         env = dict(base, CUDA_VISIBLE_DEVICES=str(i % num_gpus)) if num_gpus else dict(base)
@@ -349,7 +353,9 @@ def serve(config: ServeConfig, engine: EngineConfig) -> int:
     try:
         redis_url = config.redis_url
         if redis_url is None:
-            embedded = EmbeddedRedis(maxmemory=config.redis_maxmemory)
+            # the shared KV tier, if on, lives in this Redis too: room for it on top of the queue's
+            tier = engine.kv_tier_memory if engine.kv_tier_url is None else 0
+            embedded = EmbeddedRedis(maxmemory=config.redis_maxmemory + tier + tier // 8)
             redis_url = embedded.start().url
             logger.info("started redis-server at %s", redact_url(redis_url))
         if stops.received:

@@ -79,6 +79,20 @@ class WorkerMetrics:
         self.prefix_queries = counter("prefix_cache_queries",
                                       "Prefix cache queries, in tokens (full blocks looked up × block size).")
         self.prefix_hits = counter("prefix_cache_hits", "Prefix cache hits, in tokens (blocks found × block size).")
+        self.prefix_tier_hits = counter("prefix_cache_tier_hits",
+                                        "Of the prefix cache hits, tokens whose blocks were loaded from the shared "
+                                        "KV tier for the request (the rest came from this worker's own pool).")
+        tier_blocks = Counter(PREFIX + "kv_tier_blocks", "KV tier blocks, by what happened: saved (evicted blocks "
+                              "sent), loaded (into this pool), dropped (the writer was behind), skipped (sent "
+                              "recently), stored (new to the tier).", [*labels, "event"], registry=registry)
+        self.tier_blocks = {event: tier_blocks.labels(model_name, event)
+                            for event in ("saved", "loaded", "dropped", "skipped", "stored")}
+        tier_bytes = Counter(PREFIX + "kv_tier_bytes", "K/V bytes moved between this worker and the KV tier.",
+                             [*labels, "direction"], registry=registry)
+        self.tier_bytes = {d: tier_bytes.labels(model_name, d) for d in ("out", "in")}
+        self.tier_errors = counter("kv_tier_errors", "KV tier requests that failed (each a miss or a block not "
+                                   "stored; nothing else fails).")
+        self._tier_seen: dict[str, int] = {}
         self.preemptions = counter("num_preemptions", "Sequences preempted (to be recomputed) by the scheduler.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of the requests whose first token came.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
@@ -109,6 +123,8 @@ class WorkerMetrics:
             self.prefix_queries.inc(step.prefix_cache_queries * self.block_size)
         if step.prefix_cache_hits:
             self.prefix_hits.inc(step.prefix_cache_hits * self.block_size)
+        if step.prefix_cache_tier_hits:
+            self.prefix_tier_hits.inc(step.prefix_cache_tier_hits * self.block_size)
         if step.num_preempted:
             self.preemptions.inc(step.num_preempted)
         if step.num_prompt_tokens:
@@ -136,6 +152,20 @@ class WorkerMetrics:
 
     def count_steals(self, count: int) -> None:
         self.steals.inc(count)
+
+    def observe_kv_tier(self, totals: dict[str, int]) -> None:
+        """The KV tier's running totals (`KVTier.totals()`); each counter grows by the change."""
+        for name, value in totals.items():
+            change = value - self._tier_seen.get(name, 0)
+            if change <= 0:
+                continue
+            self._tier_seen[name] = value
+            if name.startswith("blocks_"):
+                self.tier_blocks[name.removeprefix("blocks_")].inc(change)
+            elif name.startswith("bytes_"):
+                self.tier_bytes[name.removeprefix("bytes_")].inc(change)
+            elif name == "errors":
+                self.tier_errors.inc(change)
 
 
 class GatewayMetrics:

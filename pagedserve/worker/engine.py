@@ -28,6 +28,7 @@ from pagedserve.common.step_stats import FinishedRequestStats, StepStats
 from pagedserve.plugins import load_plugin
 from pagedserve.worker.input_processor import InputProcessor, ResumedCompletion
 from pagedserve.worker.kv_cache_manager import KVCacheManager
+from pagedserve.worker.kv_tier import KVTier
 from pagedserve.worker.model_runner import ModelRunner
 from pagedserve.worker.output_processor import OutputProcessor
 from pagedserve.worker.step_stats import StepStatsCollector
@@ -56,6 +57,23 @@ class Engine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = StepStatsCollector(self.kv_manager.pool.stats)
         self.last_step: StepStats | None = None  # what the latest step did (None: it computed nothing, or failed)
+        self.kv_tier: KVTier | None = None  # the shared KV tier (kv_tier_memory > 0 and a URL)
+        if config.kv_tier_memory and config.enable_prefix_caching:
+            self.kv_tier = self._connect_kv_tier(config)
+
+    def _connect_kv_tier(self, config: EngineConfig) -> KVTier:
+        import redis  # noqa: PLC0415 - only with a tier
+
+        from pagedserve.prefix_cache.kv_tier import KVLayout, KVTierStore  # noqa: PLC0415
+
+        if config.kv_tier_url is None:
+            raise InvalidParameterError("kv_tier_url", "a KV tier needs a Redis URL (serve gives its own)")
+        spec = self.runner.kv_pool.spec
+        layout = KVLayout(config.model, str(spec.dtype).removeprefix("torch."), config.block_size, spec.num_layers,
+                          spec.num_kv_heads, spec.head_dim)
+        store = KVTierStore(redis.Redis.from_url(config.kv_tier_url), layout, config.kv_tier_memory)
+        logger.info("KV tier: %.2f GiB for blocks of %d bytes", config.kv_tier_memory / 2**30, layout.block_bytes)
+        return KVTier(store, self.kv_manager, self.runner.kv_caches, config.kv_tier_timeout)
 
     def _eos_token_ids(self) -> frozenset[int]:
         ids: set[int] = set()
@@ -92,9 +110,11 @@ class Engine:
         new = self.input_processor.process(request_id, prompt, params or SamplingParams(), cache_salt, resume,
                                           tenant)
         self.output_processor.add_request(new)
-        for seq in new.sequences:
-            if seq is not None:
-                self.scheduler.add_request(seq)
+        sequences = [seq for seq in new.sequences if seq is not None]
+        if self.kv_tier is not None and sequences and self.kv_tier.hold(sequences):
+            return  # the scheduler gets them once the tier lookup is done (`step`)
+        for seq in sequences:
+            self.scheduler.add_request(seq)
 
     def abort_request(self, request_id: str, finish_reason: str = "abort", record: bool = True) -> RequestDelta | None:
         """End a request at once, wherever it is; its blocks go back to the pool. Its unfinished
@@ -102,11 +122,19 @@ class Engine:
         `record` False leaves it out of `pop_finished` (another worker carries it on)."""
         if request_id not in self.output_processor:
             return None
-        self.scheduler.finish_requests(self.output_processor.sequence_ids(request_id), RequestStatus.FINISHED_ABORTED)
+        sequence_ids = self.output_processor.sequence_ids(request_id)
+        if self.kv_tier is not None:
+            self.kv_tier.drop(set(sequence_ids))
+        self.scheduler.finish_requests(sequence_ids, RequestStatus.FINISHED_ABORTED)
         delta = self.output_processor.end(request_id, finish_reason)
         if delta is not None and record:
             self.stats.finished(delta)
         return delta
+
+    def close(self) -> None:
+        """Finish what the KV tier is still writing (the rest of the engine needs no closing)."""
+        if self.kv_tier is not None:
+            self.kv_tier.close()
 
     def has_unfinished_requests(self) -> bool:
         return len(self.output_processor) > 0
@@ -120,8 +148,15 @@ class Engine:
         """One engine step; a delta for every request that changed (what it did: `last_step`)."""
         started = time.monotonic()
         self.last_step = None
+        tier = self.kv_tier
+        if tier is not None:
+            tier.ready(self.scheduler.add_request)  # requests whose tier lookup is done, their blocks loaded
         scheduled = self.scheduler.schedule()
+        if tier is not None:
+            tier.save_evicted()  # blocks this schedule evicted leave before the step overwrites them
         if scheduled.is_empty:
+            if tier is not None:
+                tier.wait(0.005)  # nothing to run while lookups are out: no busy loop
             return []
         try:
             ran = self.runner.run(scheduled)

@@ -105,7 +105,7 @@ class KVCacheManager:
             blocks.extend(hit.blocks)
             block_ids.extend(b.block_id for b in hit.blocks)
             if request.fork_from is None:
-                self.pool.record_lookup((request.num_tokens - 1) // self.block_size, hit.num_blocks)
+                self.pool.record_lookup((request.num_tokens - 1) // self.block_size, hit.blocks)
         if num_new_blocks > 0:
             new_blocks = self.pool.allocate(num_new_blocks)
             assert new_blocks is not None, "free-block check and allocate disagree"
@@ -127,6 +127,48 @@ class KVCacheManager:
                 break  # blocks before a cached one are cached too
             self.pool.cache_block(block, hashes[i], request.token_ids[i * bs : (i + 1) * bs],
                                   hashes[i - 1] if i else None)
+
+    def local_prefix_blocks(self, request: Request) -> tuple[list[bytes], int]:
+        """The hashes of a new request's prompt blocks that a prefix hit may cover, and how many
+        of them, from the start, the pool holds now (what the KV tier need not load)."""
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        if not self.enable_caching or max_blocks == 0:
+            return [], 0
+        hashes = self._ensure_hashes(request, max_blocks)[:max_blocks]
+        return hashes, len(self.pool.find_prefix(hashes, self._block_tokens(request, max_blocks)))
+
+    def insert_cached_blocks(self, request: Request, first: int,
+                             token_ids: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
+        """Register blocks `first`, `first + 1`, ... of a new request's prompt, computed
+        elsewhere (the KV tier), as cached blocks no request holds yet; returns (i, block id) for each
+        block `first + i` it took, for the caller to fill before the next step. `token_ids[i]` must be the request's own
+        tokens of block `first + i`. Blocks the pool already holds are skipped; the request's
+        cached blocks before `first` are kept from eviction meanwhile. It takes only free
+        blocks and stops when none is left; what `allocate` evicts for them is in
+        `pool.take_evicted()` when recorded, and must be copied out before they are filled."""
+        hashes, _ = self.local_prefix_blocks(request)
+        bs = self.block_size
+        keep = self.pool.find_prefix(hashes[:first], self._block_tokens(request, first)) if first else []
+        self.pool.take(keep)
+        inserted: list[Block] = []
+        taken: list[tuple[int, int]] = []
+        try:
+            for i, tokens in enumerate(token_ids, start=first):
+                if i >= len(hashes) or tuple(tokens) != tuple(request.token_ids[i * bs : (i + 1) * bs]):
+                    break
+                if self.pool.is_cached(hashes[i]):
+                    continue
+                new = self.pool.allocate(1)
+                if new is None:
+                    break
+                block = new[0]
+                self.pool.cache_block(block, hashes[i], tokens, hashes[i - 1] if i else None, from_tier=True)
+                inserted.append(block)
+                taken.append((i - first, block.block_id))
+        finally:
+            self.pool.free(reversed(inserted))  # the tail of the run is evicted first
+            self.pool.free(reversed(keep))
+        return taken
 
     def free(self, request: Request) -> None:
         """Give back the sequence's blocks, last first (its tail is evicted before its head).

@@ -22,6 +22,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+import msgspec
 import redis
 from prometheus_client import CollectorRegistry
 
@@ -186,6 +187,8 @@ class WorkerService:
             self.metrics.set_state(scheduler.num_running, scheduler.num_waiting, self.engine.kv_cache_usage())
         for request in finished:
             self.metrics.observe_finished(request)
+        if self.engine.kv_tier is not None:
+            self.metrics.observe_kv_tier(self.engine.kv_tier.totals())
 
     # -- taking requests ----------------------------------------------------------------------
     def _room(self) -> int:
@@ -352,6 +355,8 @@ def _timeout_error(config: ServeConfig) -> WireError:
 
 def run_worker(config: ServeConfig, engine_config: EngineConfig, redis_url: str) -> None:
     """A worker process: load the engine, then serve the queue until drained."""
+    if engine_config.kv_tier_memory and engine_config.kv_tier_url is None:  # the tier lives beside the queue
+        engine_config = msgspec.structs.replace(engine_config, kv_tier_url=redis_url)
     try:
         engine = Engine(engine_config)
     except KeyboardInterrupt:  # stopped while loading: nothing to drain
@@ -372,6 +377,7 @@ def run_worker(config: ServeConfig, engine_config: EngineConfig, redis_url: str)
     try:
         service.run()
     finally:
+        engine.close()
         tracing.shutdown()  # the last spans leave before the process exits (cli: os._exit)
         if metrics_server is not None:
             metrics_server.shutdown()

@@ -33,6 +33,7 @@ class StepStatsCollector:
     _last_token: dict[str, float] = field(default_factory=dict)  # request id → its last token's time
     _queries: int = 0  # prefix_stats at the previous step
     _hits: int = 0
+    _tier_hits: int = 0
     _finished: list[FinishedRequestStats] = field(default_factory=list)
 
     def step(self, started: float, scheduled: SchedulerOutput, deltas: list[RequestDelta], num_running: int,
@@ -57,15 +58,15 @@ class StepStatsCollector:
                 self._last_token[delta.request_id] = now
             if delta.finished:
                 self.finished(delta)
-        queries, hits = self.prefix_stats.num_queries, self.prefix_stats.num_hits
+        queries, hits, tier = self.prefix_stats.num_queries, self.prefix_stats.num_hits, self.prefix_stats.num_tier_hits
         stats = StepStats(
             started=started, ended=now, request_ids=tuple(request_ids), num_batched_tokens=scheduled.num_batched_tokens,
             num_prompt_tokens=num_prompt, num_generated_tokens=num_generated, num_preempted=len(scheduled.preempted),
             num_running=num_running, num_waiting=num_waiting, kv_cache_usage=kv_cache_usage,
             prefix_cache_queries=queries - self._queries, prefix_cache_hits=hits - self._hits,
-            inter_token_latencies=tuple(latencies),
+            inter_token_latencies=tuple(latencies), prefix_cache_tier_hits=tier - self._tier_hits,
         )
-        self._queries, self._hits = queries, hits
+        self._queries, self._hits, self._tier_hits = queries, hits, tier
         return stats
 
     def finished(self, delta: RequestDelta) -> None:

@@ -44,3 +44,13 @@ def test_bad_values_name_the_field():
     with pytest.raises(InvalidParameterError) as err:
         options.build(ServeConfig, _parse("--worker-timeout", "1", "--heartbeat-interval", "1"), {})
     assert err.value.param == "worker_timeout"
+
+
+def test_memory_sizes_take_units():
+    args = _parse("--kv-tier-memory", "8GiB", "--kv-cache-memory", "512MiB")
+    engine = options.build(EngineConfig, args, {"PAGEDSERVE_REDIS_MAXMEMORY": "2GB"})
+    assert (engine.kv_tier_memory, engine.kv_cache_memory) == (8 << 30, 512 << 20)
+    assert options.build(ServeConfig, None, {"PAGEDSERVE_REDIS_MAXMEMORY": "2GB"}).redis_maxmemory == 2 * 10**9
+    with pytest.raises(InvalidParameterError) as err:
+        options.build(EngineConfig, _parse("--kv-tier-memory", "lots"), {})
+    assert err.value.param == "kv_tier_memory"

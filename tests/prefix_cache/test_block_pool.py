@@ -10,7 +10,7 @@ def ids(blocks):
 def admit(pool, block_hashes, block_tokens):
     """What the KV cache manager does when it admits a request: look up, count, take."""
     hits = pool.find_prefix(block_hashes, block_tokens)
-    pool.record_lookup(len(block_hashes), len(hits))
+    pool.record_lookup(len(block_hashes), hits)
     pool.take(hits)
     return hits
 

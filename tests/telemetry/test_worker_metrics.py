@@ -103,7 +103,19 @@ def test_queue_time_and_exposition_has_no_request_ids():
 
     labels = {name for family in text_string_to_metric_families(generate_latest(registry).decode())
               for sample in family.samples for name in sample.labels}
-    assert labels == {"model_name", "finished_reason", "le"}
+    assert labels == {"model_name", "finished_reason", "le", "event", "direction"}  # each with a fixed set of values
+
+
+def test_kv_tier_totals_become_counters_that_grow_by_the_change():
+    registry = CollectorRegistry()
+    metrics = WorkerMetrics(registry, "tiny", block_size=16)
+    metrics.observe_kv_tier({"blocks_saved": 3, "blocks_loaded": 0, "bytes_out": 300, "bytes_in": 0, "errors": 1})
+    metrics.observe_kv_tier({"blocks_saved": 5, "blocks_loaded": 2, "bytes_out": 500, "bytes_in": 200, "errors": 1})
+    assert _value(registry, "kv_tier_blocks_total", event="saved") == 5
+    assert _value(registry, "kv_tier_blocks_total", event="loaded") == 2
+    assert _value(registry, "kv_tier_bytes_total", direction="out") == 500
+    assert _value(registry, "kv_tier_bytes_total", direction="in") == 200
+    assert _value(registry, "kv_tier_errors_total") == 1
 
 
 def test_metrics_server_serves_the_registry_and_a_busy_port_is_logged(caplog):
