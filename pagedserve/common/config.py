@@ -98,9 +98,10 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     max_stop_token_ids: int = 64  # entries of `stop_token_ids`
     max_body_bytes: int = 8 * 1024 * 1024  # larger bodies get 413
     request_timeout: float = 600.0  # seconds from admission until a request ends with a timeout
-    #: publish this worker's cached-block changes to `pagedserve:kv-events` for the prefix
-    #: cache service (`pagedserve prefix-cache`); off: nothing is sent
-    kv_events: bool = False
+    #: publish each worker's cached-block changes to `pagedserve:kv-events` for the prefix
+    #: cache service (`pagedserve prefix-cache`), which cache-aware routing asks; off:
+    #: nothing is sent. None: on in `serve` with more than one worker, else off
+    kv_events: bool | None = None
     kv_events_max_len: int = 10_000  # batches the stream keeps (older ones are trimmed)
     #: with --kv-events, `serve` also runs the prefix cache service on this port (0: a free one)
     prefix_cache_port: int = 8300

@@ -14,7 +14,7 @@ from pagedserve.common.errors import InvalidParameterError
 
 
 def _is_bool(field: msgspec.structs.FieldInfo) -> bool:
-    return field.type is bool
+    return field.type is bool or field.type == (bool | None)  # None: "decide for me" (auto)
 
 
 def add_arguments(parser: argparse.ArgumentParser, struct_type: type, skip: tuple[str, ...] = ()) -> None:

@@ -135,12 +135,19 @@ class _Slot:
     down: bool = False  # past the restart limit: it stays down
 
 
+def worker_count(config: ServeConfig, engine: EngineConfig, num_gpus: int | None = None) -> int:
+    """Workers `serve` starts: --num-workers, else one per GPU, else one."""
+    if num_gpus is None:
+        num_gpus = count_gpus() if engine.device in ("auto", "cuda") else 0
+    return config.num_workers or max(1, num_gpus)
+
+
 def _worker_plan(config: ServeConfig, engine: EngineConfig, redis_url: str) -> tuple[list[str], list[dict[str, str]]]:
     """The workers' command line and one environment per worker. The Redis URL goes into the
     environment: argv is readable by every user of the machine. Worker i's metrics port
     (--worker-metrics-port + i) too, so that one command line serves every worker."""
     num_gpus = count_gpus() if engine.device in ("auto", "cuda") else 0
-    count = config.num_workers or max(1, num_gpus)
+    count = worker_count(config, engine, num_gpus)
     metrics_port = config.worker_metrics_port
     if metrics_port is not None and metrics_port + count - 1 > 65535:
         raise InvalidParameterError("worker_metrics_port", f"{metrics_port} + {count} workers runs past port 65535")
@@ -360,10 +367,16 @@ def serve(config: ServeConfig, engine: EngineConfig) -> int:
             logger.info("started redis-server at %s", redact_url(redis_url))
         if stops.received:
             return 0
+        if config.kv_events is None:  # auto: an index is worth keeping when there is a choice of workers
+            config = msgspec.structs.replace(config, kv_events=worker_count(config, engine) > 1)
         if config.kv_events:  # the workers publish their cached blocks: keep the cluster index here
             from pagedserve.prefix_cache.service import PrefixCacheService
 
-            prefix_cache = PrefixCacheService(redis_url).start(config.host, config.prefix_cache_port)
+            try:
+                prefix_cache = PrefixCacheService(redis_url).start(config.host, config.prefix_cache_port)
+            except OSError as exc:  # the port is taken (another serve here): any free one does for our gateway
+                logger.warning("prefix cache port %d: %s; using a free port", config.prefix_cache_port, exc)
+                prefix_cache = PrefixCacheService(redis_url).start(config.host, 0)
             logger.info("prefix cache service on http://%s:%d", config.host, prefix_cache.port)
             if config.prefix_cache_url is None:  # the gateway routes by what it knows
                 config = msgspec.structs.replace(

@@ -68,7 +68,7 @@ class _Held:
 
 @dataclass(slots=True)
 class _Loaded:
-    """What a lookup found: its blocks' tokens and K/V, [n, layers, 2, block_size, heads, dim]."""
+    """What a lookup found: its blocks' tokens and K/V, [layers, 2, n, block_size, heads, dim]."""
 
     token_ids: list[tuple[int, ...]] = field(default_factory=list)
     kv: torch.Tensor | None = None
@@ -126,14 +126,20 @@ class KVTier:
         self._writer.submit(self._put, fresh, kv, size)
 
     def _gather(self, block_ids: list[int]) -> torch.Tensor:
-        """The K/V of these blocks, on the host: [n, layers, 2, block_size, heads, dim]."""
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.kv_caches[0].device)
-        stacked = torch.stack([cache.index_select(1, index) for cache in self.kv_caches], dim=1)
-        return stacked.permute(2, 1, 0, 3, 4, 5).contiguous().cpu()  # [2, L, n, ...] → [n, L, 2, ...]
+        """The K/V of these blocks on the host, [layers, 2, n, block_size, heads, dim]: one
+        copy per layer, nothing reordered (the writer thread does that)."""
+        first = self.kv_caches[0]
+        index = torch.tensor(block_ids, dtype=torch.long, device=first.device)
+        out = torch.empty((len(self.kv_caches), 2, len(block_ids), *first.shape[2:]), dtype=first.dtype,
+                          device=first.device)
+        for layer, cache in enumerate(self.kv_caches):
+            torch.index_select(cache, 1, index, out=out[layer])
+        return out.cpu()
 
     def _put(self, blocks: list[EvictedBlock], kv: torch.Tensor, size: int) -> None:
         try:
-            raw = kv.view(torch.uint8).reshape(len(blocks), -1).numpy()
+            per_block = kv.permute(2, 0, 1, 3, 4, 5).contiguous()  # [n, layers, 2, ...]: a block's bytes in one run
+            raw = per_block.view(torch.uint8).reshape(len(blocks), -1).numpy()
             key = self.layout.key()
             self.store.put([TierBlock(key, b.block_hash, b.token_ids, raw[i].tobytes())
                             for i, b in enumerate(blocks)])
@@ -162,12 +168,12 @@ class KVTier:
         loaded = _Loaded([b.token_ids for b in found])
         if found:
             layout = self.layout
-            kv = torch.empty((len(found), layout.num_layers, 2, layout.block_size, layout.num_kv_heads,
-                              layout.head_dim), dtype=self.kv_caches[0].dtype)
-            raw = kv.view(torch.uint8).reshape(len(found), -1).numpy()
+            per_block = torch.empty((len(found), layout.num_layers, 2, layout.block_size, layout.num_kv_heads,
+                                     layout.head_dim), dtype=self.kv_caches[0].dtype)
+            raw = per_block.view(torch.uint8).reshape(len(found), -1).numpy()
             for i, block in enumerate(found):
                 raw[i] = memoryview(block.data)
-            loaded.kv = kv
+            loaded.kv = per_block.permute(1, 2, 0, 3, 4, 5).contiguous()  # [layers, 2, n, ...], as the cache is laid out
         return loaded
 
     @property
@@ -214,11 +220,13 @@ class KVTier:
             return
         started = time.perf_counter()
         device = self.kv_caches[0].device
-        rows = torch.tensor([i for i, _ in taken], dtype=torch.long)
+        kv = loaded.kv
+        if len(taken) < kv.shape[2]:  # some were in the pool already, or it ran out of free blocks
+            kv = kv.index_select(2, torch.tensor([i for i, _ in taken], dtype=torch.long))
+        kv = kv.to(device)
         index = torch.tensor([block_id for _, block_id in taken], dtype=torch.long, device=device)
-        kv = loaded.kv.index_select(0, rows).to(device)  # [n, L, 2, ...]
         for layer, cache in enumerate(self.kv_caches):
-            cache.index_copy_(1, index, kv[:, layer].transpose(0, 1))
+            cache.index_copy_(1, index, kv[layer])
         self.counters.load_copy_seconds += time.perf_counter() - started
         self.counters.blocks_loaded += len(taken)
 

@@ -25,6 +25,7 @@ IMAGES = {
     "redis": ("REDIS_IMAGE", "redis:7.4"),
     "models": ("PAGEDSERVE_WORKER_CPU_IMAGE", "pagedserve-worker:0.1.0-cpu"),
     "gateway": ("PAGEDSERVE_GATEWAY_IMAGE", "pagedserve-gateway:0.1.0"),
+    "prefix-cache": ("PAGEDSERVE_GATEWAY_IMAGE", "pagedserve-gateway:0.1.0"),  # torch-free, like the gateway
     "worker": ("PAGEDSERVE_WORKER_GPU_IMAGE", "pagedserve-worker:0.1.0-cuda"),
     "worker-cpu": ("PAGEDSERVE_WORKER_CPU_IMAGE", "pagedserve-worker:0.1.0-cpu"),
     "jaeger": ("JAEGER_IMAGE", "jaegertracing/all-in-one:1.62.0"),
@@ -115,7 +116,7 @@ def test_the_gpu_worker_reserves_a_gpu_and_the_cpu_worker_none(compose):
 def test_profiles_plain_up_starts_gpu_workers_and_profile_cpu_only_cpu_workers(compose):
     env = dotenv()
     assert env == {"COMPOSE_PROFILES": "gpu"}
-    common = {"redis", "models", "gateway", "jaeger", "prometheus"}
+    common = {"redis", "models", "gateway", "prefix-cache", "jaeger", "prometheus"}
     assert active_services(compose, [], env) == common | {"worker"}
     assert active_services(compose, ["cpu"], env) == common | {"worker-cpu"}
     assert active_services(compose, ["cpu"], {}) == common | {"worker-cpu"}
@@ -133,6 +134,19 @@ def test_the_models_service_pulls_an_alias_once_or_takes_a_checkpoint_directory(
     assert "models" in compose["volumes"]
 
 
+def test_the_prefix_cache_service_feeds_the_gateways_routing(compose):
+    service = compose["services"]["prefix-cache"]
+    assert service["command"] == ["prefix-cache", "--host", "0.0.0.0", "--port", "8300"]
+    assert service["environment"]["PAGEDSERVE_REDIS_URL"] == "redis://redis:6379/0"
+    assert service["depends_on"] == {"redis": {"condition": "service_healthy"}}
+    gateway = compose["services"]["gateway"]["environment"]
+    assert gateway["PAGEDSERVE_PREFIX_CACHE_URL"] == "http://prefix-cache:8300"
+    for name in ("worker", "worker-cpu"):
+        env = compose["services"][name]["environment"]
+        assert env["PAGEDSERVE_KV_EVENTS"] == "true"
+        assert env["PAGEDSERVE_KV_TIER_MEMORY"] == "${PAGEDSERVE_KV_TIER_MEMORY:-0}"
+
+
 def test_jaeger_and_prometheus(compose):
     jaeger, prometheus = compose["services"]["jaeger"], compose["services"]["prometheus"]
     assert jaeger["expose"] == ["4317", "4318"]
@@ -144,8 +158,9 @@ def test_jaeger_and_prometheus(compose):
 def test_prometheus_scrapes_the_gateway_and_every_worker():
     config = yaml.safe_load(PROMETHEUS_FILE.read_text())
     jobs = {job["job_name"]: job for job in config["scrape_configs"]}
-    assert set(jobs) == {"pagedserve-gateway", "pagedserve-worker"}
+    assert set(jobs) == {"pagedserve-gateway", "pagedserve-prefix-cache", "pagedserve-worker"}
     assert jobs["pagedserve-gateway"]["static_configs"] == [{"targets": ["gateway:8000"]}]
+    assert jobs["pagedserve-prefix-cache"]["static_configs"] == [{"targets": ["prefix-cache:8300"]}]
     assert jobs["pagedserve-worker"]["dns_sd_configs"] == [
         {"names": ["worker"], "type": "A", "port": int(WORKER_METRICS_PORT), "refresh_interval": "15s"}]
 
