@@ -120,3 +120,20 @@ def test_each_worker_gets_its_own_metrics_port_through_the_environment():
     for bad in (0, 65536):
         with pytest.raises(InvalidParameterError, match="worker_metrics_port"):
             ServeConfig(worker_metrics_port=bad)
+
+
+def test_the_kv_tier_url_reaches_workers_through_the_environment_never_argv(monkeypatch):
+    from pagedserve.common.config import EngineConfig, ServeConfig
+    from pagedserve.entrypoints.launcher import _worker_plan, worker_count
+
+    monkeypatch.delenv("PAGEDSERVE_KV_TIER_URL", raising=False)
+    engine = EngineConfig(device="cpu", kv_tier_memory=1 << 30, kv_tier_url="redis://:secret@tier:6379/0")
+    argv, envs = _worker_plan(ServeConfig(num_workers=2), engine, "redis://x")
+    assert not any("secret" in arg for arg in argv)
+    assert argv[argv.index("--kv-tier-memory") + 1] == str(1 << 30)
+    assert [env["PAGEDSERVE_KV_TIER_URL"] for env in envs] == ["redis://:secret@tier:6379/0"] * 2
+    # no URL of its own: a worker uses the queue's Redis (worker/service.py), so none is passed
+    _, envs = _worker_plan(ServeConfig(num_workers=1), EngineConfig(device="cpu", kv_tier_memory=1 << 30), "redis://x")
+    assert "PAGEDSERVE_KV_TIER_URL" not in envs[0]
+    assert worker_count(ServeConfig(num_workers=3), EngineConfig(device="cpu")) == 3
+    assert worker_count(ServeConfig(), EngineConfig(device="cpu")) == 1
