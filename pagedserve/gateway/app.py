@@ -131,6 +131,7 @@ def create_app(config: ServeConfig, redis_url: str, tokenizer: PromptTokenizer, 
     async def shutdown(app: Litestar) -> None:
         for task in list(state.background):
             task.cancel()
+        await state.routing.close()
         await state.queue.close()
         await anyio.to_thread.run_sync(state.tracing.shutdown)  # the last spans leave (bounded)
 

@@ -90,6 +90,12 @@ class RequestRouting:
         self._view = _WorkerView()
         self._refresh: asyncio.Task | None = None
 
+    async def close(self) -> None:
+        """Close the lookup's connections, if it has any (an `IndexClient` does)."""
+        aclose = getattr(self.lookup, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
     async def submit(self, request: QueuedRequest, max_requests: int | None = None,
                      max_queued_tokens: int | None = None) -> RouteDecision:
         """Route the prompt and admit it (raising as `QueueClient.submit` does); returns where

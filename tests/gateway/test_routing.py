@@ -213,3 +213,21 @@ def test_a_prefix_cache_url_gives_the_index_client():
         prefix_lookup_from_config(ServeConfig(prefix_cache_url="redis://x"))
     assert isinstance(prefix_lookup_from_config(ServeConfig(prefix_cache_url="http://127.0.0.1:8300")), IndexClient)
     assert prefix_lookup_from_config(ServeConfig()) is None
+
+
+def test_closing_the_routing_closes_the_lookups_connections():
+    closed = []
+
+    class Lookup:
+        async def cached_blocks(self, block_hashes):
+            return {}
+
+        async def aclose(self):
+            closed.append(True)
+
+    config = ServeConfig()
+    routing = RequestRouting(config, None, LeastLoadedRouter(), Lookup(), GatewayMetrics(CollectorRegistry()))  # type: ignore[arg-type]
+    asyncio.run(routing.close())
+    assert closed == [True]
+    asyncio.run(RequestRouting(config, None, LeastLoadedRouter(), None,  # type: ignore[arg-type]
+                               GatewayMetrics(CollectorRegistry())).close())  # no lookup: nothing to close
