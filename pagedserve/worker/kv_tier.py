@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedserve.common.contracts import Request
+from pagedserve.common.contracts import Request, RequestStatus
 from pagedserve.prefix_cache.block_pool import EvictedBlock
 from pagedserve.prefix_cache.kv_tier import KVLayout, KVTierStore, TierBlock
 from pagedserve.worker.kv_cache_manager import KVCacheManager
@@ -183,7 +183,11 @@ class KVTier:
     def drop(self, request_ids: set[str]) -> None:
         """Forget held requests (aborted before their lookup ended)."""
         for request_id in request_ids:
-            self._held.pop(request_id, None)
+            held = self._held.pop(request_id, None)
+            if held is not None:
+                for sequence in held.sequences:  # the manager forgets the hashes `hold` computed
+                    sequence.status = RequestStatus.FINISHED_ABORTED
+                    self.kv_manager.free(sequence)
 
     def wait(self, seconds: float) -> None:
         """Block until the oldest lookup is done, at most `seconds` (an idle engine's pause)."""

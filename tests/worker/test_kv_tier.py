@@ -134,8 +134,10 @@ def test_an_aborted_request_waiting_for_its_lookup_is_forgotten(tiny_checkpoint,
     prompt = prompts(seed=5, n=1, length=101)[0]
     eng.add_request("gone", prompt, GREEDY)
     assert eng.kv_tier is not None and eng.kv_tier.num_held == 1
+    assert list(eng.kv_manager._hashes) == ["gone"]  # the lookup hashed its prompt
     eng.abort_request("gone")
     assert eng.kv_tier.num_held == 0
+    assert eng.kv_manager._hashes == {}  # and nothing of it stays behind
     assert not eng.has_unfinished_requests()
     assert eng.step() == []
     assert_pool_clean(eng)
