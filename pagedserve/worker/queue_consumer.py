@@ -160,10 +160,11 @@ class QueueConsumer:
                 orphaned.add(stream)
         return StreamView(own, shared, others, frozenset(orphaned))
 
-    def pull(self, room: int, block_ms: int | None, view: StreamView | None = None) -> list[TakenEntry]:
+    def pull(self, room: int, block_ms: int | None, view: StreamView | None = None,
+             steal: bool = True) -> list[TakenEntry]:
         """Up to `room` new requests: from this worker's own routed streams first, then the
-        shared ones, each shared fairly among its streams (`fair_shares`); with room left and
-        nothing read, stolen from other workers' streams (entries older than steal_after);
+        shared ones, each shared fairly among its streams (`fair_shares`); with room left,
+        nothing read and `steal`, stolen from other workers' streams (entries older than steal_after);
         waiting up to `block_ms` for the own and shared streams when none are queued (None:
         do not wait). They are counted out of the queue's bounds at once."""
         view = self.streams() if view is None else view
@@ -171,7 +172,7 @@ class QueueConsumer:
         try:
             entries += self._read_fairly(view.own, room)
             entries += self._read_fairly(view.shared, room - len(entries))
-            if not entries and room > 0 and view.others:
+            if steal and not entries and room > 0 and view.others:
                 entries += self._read_stolen(view.others, room)
             if not entries and block_ms:
                 entries += self._wait_and_read(view.own + view.shared, room, block_ms)

@@ -205,7 +205,8 @@ class WorkerService:
         view = self.queue.streams()
         if (room := self._room()) > 0:
             block = None if self.engine.has_unfinished_requests() else _IDLE_BLOCK_MS
-            taken = self.queue.pull(room, block, view)
+            # a busy worker leaves other workers' queued prompts to them (and to their caches)
+            taken = self.queue.pull(room, block, view, steal=len(self.running) <= self.config.steal_max_running)
         else:
             # Full: still take one request of each tenant that has nothing here, so that the
             # scheduler can give it its share at the next step instead of after the others.

@@ -250,3 +250,16 @@ def test_a_dead_workers_stream_is_taken_by_a_worker_that_is_not_idle():
         assert _counters(client)["tenant_routed"] == {}
         for c in (client, w1.redis, dead.redis):
             c.close()
+
+
+def test_a_busy_worker_does_not_steal():
+    with EmbeddedRedis() as server:
+        client = redis.Redis.from_url(server.url)
+        client.zadd(q.WORKERS, {"w1": time.time() + 60, "busy": time.time() + 60})
+        _admit(client, "old0", "A", worker="busy")
+        thief = QueueConsumer(server.url, ServeConfig(steal_after=0.0), worker_id="w1")
+        time.sleep(0.01)
+        assert thief.pull(4, None, steal=False) == []  # what the service passes while it runs requests
+        assert [e.request.request_id for e in thief.pull(4, None)] == ["old0"]
+        client.close()
+        thief.redis.close()
