@@ -12,6 +12,10 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 #: tokens ran the `fixed` workload 9-12% faster than one step of 8192 (docs/performance.md);
 #: a GPU wants large steps.
 DEFAULT_TOKEN_BUDGET = {"cpu": 2048, "cuda": 8192}
+#: On CPU the default is also at most this many tokens per torch thread: a step's time grows
+#: with its tokens over the threads, and a 2048-token step on one thread took over 10 s
+#: (the default worker_timeout) with another process on the core, so the worker looked dead
+CPU_TOKENS_PER_THREAD = 1024
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):
@@ -47,9 +51,15 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     seed: int = 0  # seeds the sampler of requests that give no seed
     num_threads: int | None = None  # torch CPU threads; None: torch's default
 
-    def token_budget(self, device_type: str = "cpu") -> int:
-        """The step token budget: the one given, else the device type's default."""
-        return self.max_num_batched_tokens or DEFAULT_TOKEN_BUDGET.get(device_type, DEFAULT_TOKEN_BUDGET["cuda"])
+    def token_budget(self, device_type: str = "cpu", num_threads: int | None = None) -> int:
+        """The step token budget: the one given, else the device type's default (on CPU, at
+        most CPU_TOKENS_PER_THREAD per thread of `num_threads`, when given)."""
+        if self.max_num_batched_tokens:
+            return self.max_num_batched_tokens
+        budget = DEFAULT_TOKEN_BUDGET.get(device_type, DEFAULT_TOKEN_BUDGET["cuda"])
+        if device_type == "cpu" and num_threads:
+            budget = min(budget, CPU_TOKENS_PER_THREAD * num_threads)
+        return budget
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

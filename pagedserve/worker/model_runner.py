@@ -220,7 +220,7 @@ class ModelRunner:
 def with_step_budget(config: EngineConfig, max_model_len: int, device_type: str) -> EngineConfig:
     """The config with its step token budget resolved for the device: without chunked
     prefill a whole prompt must fit one step."""
-    budget = config.token_budget(device_type)
+    budget = config.token_budget(device_type, torch.get_num_threads() if device_type == "cpu" else None)
     if not config.enable_chunked_prefill:
         if config.max_num_batched_tokens is None:
             budget = max(budget, max_model_len)

@@ -222,6 +222,15 @@ class WorkerService:
 
     def _start(self, entry: TakenEntry) -> None:
         request = entry.request
+        if (mine := self.running.get(request.request_id)) is not None:
+            # Reclaimed by this worker itself: its loop paused past worker_timeout (a slow step),
+            # so its heartbeat left the entry idle and XAUTOCLAIM gave it back. It runs here
+            # already: carry on. (Another entry under the same id is a duplicate: leave it.)
+            if (mine.stream, mine.entry_id) != (entry.stream, entry.entry_id):
+                logger.error("entry %s of %s repeats running request %s; dropped", entry.entry_id, entry.stream,
+                             request.request_id)
+                self.queue.ack(entry.stream, entry.entry_id)
+            return
         run = _Running(entry.stream, entry.entry_id, request.request_id, entry.attempt, request.deadline)
         if self.metrics is not None and entry.attempt == 1 and request.enqueued_at is not None:
             # a later delivery's wait since admission includes the run on a worker that died

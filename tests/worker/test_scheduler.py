@@ -164,8 +164,14 @@ def test_the_step_budget_defaults_by_device_and_keeps_a_given_one(tiny_checkpoin
     assert DEFAULT_TOKEN_BUDGET == {"cpu": 2048, "cuda": 8192}
     assert EngineConfig().token_budget("cuda") == 8192 and EngineConfig(max_num_batched_tokens=77).token_budget("cuda") == 77
     model = str(tiny_checkpoint("llama-gqa"))
+    # on CPU at most 1024 tokens per torch thread: a step's time stays about the same
+    assert [EngineConfig().token_budget("cpu", n) for n in (None, 1, 2, 16)] == [2048, 1024, 2048, 2048]
+    assert EngineConfig(max_num_batched_tokens=4096).token_budget("cpu", 1) == 4096  # a given one is kept
+    import torch
+
     engine = LLM(model, device="cpu", kv_cache_memory=1 << 22).engine
-    assert engine.config.max_num_batched_tokens == 2048 and engine.scheduler.max_num_batched_tokens == 2048
+    default = min(2048, 1024 * torch.get_num_threads())
+    assert engine.config.max_num_batched_tokens == default and engine.scheduler.max_num_batched_tokens == default
     engine = LLM(model, device="cpu", kv_cache_memory=1 << 22, max_num_batched_tokens=300).engine
     assert engine.scheduler.max_num_batched_tokens == 300
     # without chunked prefill a whole prompt must fit one step: the default grows to the context

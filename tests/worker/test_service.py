@@ -125,3 +125,41 @@ def test_a_frozen_step_loop_stops_beating_and_its_request_moves(tiny_checkpoint,
             t.join(timeout=10)
         redis_server.stop()
     assert not any(t.is_alive() for t in threads)
+
+
+def test_a_worker_that_reclaims_its_own_running_request_carries_on(tiny_checkpoint, monkeypatch):
+    """One slow step past worker_timeout, with no other worker: the heartbeat paused, the
+    entry went idle, and the worker's own XAUTOCLAIM hands it back. It is already running
+    here: it must finish once, exactly, with no error (it used to fail as 'already running')."""
+    path = str(tiny_checkpoint("llama-gqa"))
+    llm = LLM(path, kv_cache_memory=1 << 22, attention_backend="torch")
+    prompt, max_tokens = [5, 17, 33, 101, 7], 30
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    expected = llm.generate([prompt], params)[0].outputs[0]
+    config = ServeConfig(heartbeat_interval=0.2, worker_timeout=1.0, drain_timeout=1.0)
+    redis_server = EmbeddedRedis().start()
+    service = WorkerService(llm.engine, config, redis_server.url)
+    step, steps = service.engine.step, [0]
+
+    def one_slow_step():
+        if service.running:
+            steps[0] += 1
+            if steps[0] == 3:
+                time.sleep(2.0)  # the loop misses worker_timeout once
+        return step()
+
+    monkeypatch.setattr(service.engine, "step", one_slow_step)
+    thread = threading.Thread(target=service.run, daemon=True)
+    thread.start()
+    request = QueuedRequest(request_id="slow-1", prompt_token_ids=prompt, deadline=time.time() + 120, params=params)
+    try:
+        wait_until(lambda: service.queue.redis.zscore(q.WORKERS, service.worker_id), "the worker beating")
+        text, log = _read_request(redis_server.url, config, request)
+        assert (log.error, log.completions[0].finish_reason) == (None, "length")
+        assert log.completions[0].token_ids == expected.token_ids
+        assert text == expected.text
+        assert steps[0] > 3 and service.num_taken_over == 0
+    finally:
+        service.drain()
+        thread.join(timeout=10)
+        redis_server.stop()
