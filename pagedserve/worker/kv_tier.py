@@ -47,7 +47,7 @@ class TierCounters:
     """What the engine's tier did since start (the store's own counters are `store.stats`)."""
 
     blocks_saved: int = 0  # evicted blocks handed to the writer
-    blocks_skipped: int = 0  # evicted blocks not sent: this worker put them into the tier recently
+    blocks_skipped: int = 0  # evicted blocks not sent: this worker put them into (or loaded them from) the tier recently
     blocks_dropped: int = 0  # evicted blocks not sent: the writer was too far behind
     blocks_loaded: int = 0  # blocks copied into the pool from the tier
     lookups: int = 0  # requests whose prompt was looked up in the tier
@@ -71,6 +71,7 @@ class _Loaded:
     """What a lookup found: its blocks' tokens and K/V, [layers, 2, n, block_size, heads, dim]."""
 
     token_ids: list[tuple[int, ...]] = field(default_factory=list)
+    hashes: list[bytes] = field(default_factory=list)
     kv: torch.Tensor | None = None
 
 
@@ -165,7 +166,7 @@ class KVTier:
 
     def _load(self, block_hashes: list[bytes]) -> _Loaded:
         found = self.store.get_leading(block_hashes)
-        loaded = _Loaded([b.token_ids for b in found])
+        loaded = _Loaded([b.token_ids for b in found], [b.block_hash for b in found])
         if found:
             layout = self.layout
             per_block = torch.empty((len(found), layout.num_layers, 2, layout.block_size, layout.num_kv_heads,
@@ -233,6 +234,8 @@ class KVTier:
             cache.index_copy_(1, index, kv[layer])
         self.counters.load_copy_seconds += time.perf_counter() - started
         self.counters.blocks_loaded += len(taken)
+        for i, _ in taken:  # the tier has them: an eviction need not send them back
+            self._recently_saved[loaded.hashes[i]] = None
 
     def totals(self) -> dict[str, int]:
         """Running totals for the worker's metrics (`WorkerMetrics.observe_kv_tier`)."""
