@@ -18,7 +18,13 @@ from pathlib import Path
 
 from pagedserve.common.errors import InvalidParameterError
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "int8": 1}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "fp8_e4m3": 1, "int8": 1}
+#: KV element types stored with scales: one float32 per (block, layer, K or V, KV head)
+QUANTIZED_KV = ("fp8", "fp8_e4m3", "int8")
+SCALE_BYTES = 4  # a float32 scale
+#: weight quantization methods `plan` counts: bytes per weight of a linear layer; each
+#: output channel also keeps one float32 scale. Embeddings and the LM head stay in --dtype.
+WEIGHT_QUANTIZATION_BYTES = {"int8": 1}
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -39,6 +45,8 @@ class ModelShape:
     num_kv_heads: int
     head_dim: int
     num_parameters: int  # counted from the safetensors headers, else estimated from the config
+    num_linear_parameters: int = 0  # of those, the weights of the decoder layers' linear layers
+    num_linear_outputs: int = 0  # their output channels (one scale each when quantized)
 
     @classmethod
     def from_path(cls, path: str | Path) -> ModelShape:
@@ -53,10 +61,35 @@ class ModelShape:
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         kv_heads = cfg.get("num_key_value_heads") or heads
         params = _count_safetensors(config_file.parent) or _estimate_parameters(cfg, head_dim, kv_heads)
-        return cls(cfg["num_hidden_layers"], kv_heads, head_dim, params)
+        linear, outputs = _linear_shapes(cfg, head_dim, kv_heads)
+        return cls(cfg["num_hidden_layers"], kv_heads, head_dim, params, linear, outputs)
 
     def kv_bytes_per_token(self, kv_dtype: str) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES[kv_dtype]
+
+    def kv_bytes_per_block(self, kv_dtype: str, block_size: int) -> int:
+        """A block's K/V of every layer, with its scales when the KV cache is quantized."""
+        scales = 2 * self.num_layers * self.num_kv_heads * SCALE_BYTES if kv_dtype in QUANTIZED_KV else 0
+        return self.kv_bytes_per_token(kv_dtype) * block_size + scales
+
+    def weight_bytes(self, dtype: str, quantization: str | None = None) -> int:
+        """The weights in memory: all in `dtype`, or the linear layers quantized (1 byte a
+        weight for int8, plus a float32 scale per output channel) and the rest in `dtype`."""
+        if quantization is None:
+            return self.num_parameters * DTYPE_BYTES[dtype]
+        rest = self.num_parameters - self.num_linear_parameters
+        return (self.num_linear_parameters * WEIGHT_QUANTIZATION_BYTES[quantization]
+                + self.num_linear_outputs * SCALE_BYTES + rest * DTYPE_BYTES[dtype])
+
+
+def _linear_shapes(cfg: dict, head_dim: int, kv_heads: int) -> tuple[int, int]:
+    """Weights and output channels of a Llama-style decoder's linear layers (q, k, v, o,
+    gate, up, down), every layer."""
+    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    q, kv = cfg["num_attention_heads"] * head_dim, kv_heads * head_dim
+    weights = h * (q + 2 * kv) + q * h + 3 * h * inter
+    outputs = (q + 2 * kv) + h + 2 * inter + h
+    return cfg["num_hidden_layers"] * weights, cfg["num_hidden_layers"] * outputs
 
 
 def _estimate_parameters(cfg: dict, head_dim: int, kv_heads: int) -> int:
@@ -115,21 +148,27 @@ def plan(
     block_size: int = 16,
     reserved_fraction: float = 0.0,
     lengths: Sequence[int] | None = None,
+    quantization: str | None = None,
 ) -> Plan:
     """Capacity of `memory_bytes` for this model at `context` tokens per sequence.
 
     `reserved_fraction` keeps part of the memory for activations and the runtime.
     `lengths`, if given, are typical sequence lengths (prompt + output) of the traffic.
+    `quantization` (int8) counts the linear layers' weights quantized; a quantized
+    `kv_dtype` (fp8_e4m3, int8) counts its scales beside each block.
     """
+    if quantization is not None and quantization not in WEIGHT_QUANTIZATION_BYTES:
+        raise InvalidParameterError("quantization", f"must be one of {', '.join(WEIGHT_QUANTIZATION_BYTES)}, "
+                                    f"got {quantization!r}")
     for name, value in (("dtype", dtype), ("kv_dtype", kv_dtype or dtype)):
         if value not in DTYPE_BYTES:
             raise InvalidParameterError(name, f"must be one of {', '.join(DTYPE_BYTES)}, got {value!r}")
     if context < 1 or block_size < 1:
         raise InvalidParameterError("context", "context and block size must be positive")
     kv_dtype = kv_dtype or dtype
-    weight_bytes = shape.num_parameters * DTYPE_BYTES[dtype]
+    weight_bytes = shape.weight_bytes(dtype, quantization)
     per_token = shape.kv_bytes_per_token(kv_dtype)
-    per_block = per_token * block_size
+    per_block = shape.kv_bytes_per_block(kv_dtype, block_size)
     budget = int(memory_bytes * (1 - reserved_fraction)) - weight_bytes
     if budget <= 0:
         raise InvalidParameterError("memory", f"the weights alone ({weight_bytes / 2**30:.2f} GiB) do not fit")

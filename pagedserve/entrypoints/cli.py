@@ -69,7 +69,7 @@ def _plan(args) -> int:
         else:
             lengths = [int(x) for x in args.lengths.split(",")]
     result = plan(ModelShape.from_path(args.model), parse_bytes(args.memory), args.context, args.dtype,
-                  args.kv_dtype, args.block_size, args.reserve, lengths)
+                  args.kv_dtype, args.block_size, args.reserve, lengths, args.quantization)
     print(format_plan(result, args.context))
     return 0
 
@@ -215,7 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--memory", required=True, help="accelerator memory, e.g. 80GiB")
     pl.add_argument("--context", type=int, required=True, help="tokens per sequence (prompt + output)")
     pl.add_argument("--dtype", default="bfloat16")
-    pl.add_argument("--kv-dtype", default=None, help="KV cache element type (default: --dtype)")
+    pl.add_argument("--kv-dtype", "--kv-cache-dtype", dest="kv_dtype", default=None,
+                    help="KV cache element type (default: --dtype); fp8_e4m3 and int8 count their scales")
+    pl.add_argument("--quantization", default=None, help="weights: int8 (linear layers, per-channel scales)")
     pl.add_argument("--block-size", type=int, default=16)
     pl.add_argument("--reserve", type=float, default=0.0, help="share of memory kept for activations")
     pl.add_argument("--lengths", default=None, help="typical sequence lengths: 'uniform:LO:HI' or '100,900,...'")

@@ -79,3 +79,28 @@ def test_sizes_and_cli(config_file, capsys):
 
 def p_blocks(out: str) -> int:
     return int(out.split("GiB (")[-1].split(" blocks")[0])
+
+
+def test_fp8_kv_doubles_the_4k_sequences_of_llama3_8b_and_int8_weights_free_memory(config_file, capsys):
+    shape = ModelShape.from_path(config_file(LLAMA3_8B))
+    linear_per_layer = 4096 * (4096 + 2 * 1024) + 4096 * 4096 + 3 * 4096 * 14336
+    assert shape.num_linear_parameters == 32 * linear_per_layer
+    assert shape.num_linear_outputs == 32 * ((4096 + 2 * 1024) + 4096 + 2 * 14336 + 4096)
+    bf16 = plan(shape, 80 * GIB, 4096)
+    fp8 = plan(shape, 80 * GIB, 4096, kv_dtype="fp8_e4m3")
+    scales = 2 * 32 * 8 * 4  # per block: a float32 per layer, K or V, and KV head
+    assert fp8.kv_bytes_per_sequence == 256 * (64 * 1024 * 16 + scales)
+    budget = 80 * GIB - 2 * 8_030_261_248
+    assert (bf16.max_sequences_at_context, fp8.max_sequences_at_context) == (
+        budget // (128 * 1024 * 16) // 256, budget // (64 * 1024 * 16 + scales) // 256) == (130, 259)
+    print(f"Llama-3-8B, 80 GiB, 4k tokens: {bf16.max_sequences_at_context} sequences with bf16 KV, "
+          f"{fp8.max_sequences_at_context} with fp8 ({fp8.max_sequences_at_context / bf16.max_sequences_at_context:.2f}x)")
+    int8 = plan(shape, 80 * GIB, 4096, kv_dtype="fp8_e4m3", quantization="int8")
+    rest = 8_030_261_248 - shape.num_linear_parameters  # embeddings, LM head, norms: bf16
+    assert int8.weight_bytes == shape.num_linear_parameters + shape.num_linear_outputs * 4 + 2 * rest
+    assert int8.max_sequences_at_context == (80 * GIB - int8.weight_bytes) // (64 * 1024 * 16 + scales) // 256
+    with pytest.raises(InvalidParameterError, match="quantization"):
+        plan(shape, 80 * GIB, 4096, quantization="int4")
+    assert main(["plan", "--model", str(config_file(LLAMA3_8B)), "--memory", "80GiB", "--context", "4096",
+                 "--quantization", "int8", "--kv-cache-dtype", "fp8_e4m3"]) == 0
+    assert f"sequences at full context             {int8.max_sequences_at_context}\n" in capsys.readouterr().out
