@@ -40,6 +40,24 @@ def _build_name() -> str:
     return f"pagedserve_cpu_attention_{digest}"
 
 
+#: a build lock older than this was left by a process killed while building (a cold build
+#: takes 1 to 3 minutes here); torch would wait on it forever, so it is removed
+STALE_LOCK_SECONDS = 900
+
+
+def _remove_stale_lock(name: str) -> None:
+    """torch's builder waits while `lock` exists in the build folder; a worker killed in the
+    middle of the first build leaves it behind, and every later start would hang."""
+    with contextlib.suppress(Exception):
+        from torch.utils.cpp_extension import _get_build_directory
+
+        lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+        age = time.time() - lock.stat().st_mtime
+        if age > STALE_LOCK_SECONDS:
+            logger.warning("removing a build lock left %.0f s ago by a process that did not finish: %s", age, lock)
+            lock.unlink()
+
+
 @functools.cache
 def cpu_kernels():
     """The compiled extension module, or None when it cannot be built here."""
@@ -48,8 +66,10 @@ def cpu_kernels():
 
         logger.info("loading the CPU kernels (the first build takes about a minute)")
         started = time.monotonic()
+        name = _build_name()
+        _remove_stale_lock(name)
         module = load(
-            name=_build_name(),
+            name=name,
             sources=[str(p) for p in _SOURCES],
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
             extra_ldflags=["-fopenmp"],
