@@ -89,7 +89,7 @@ def test_worker_and_gateway_metrics_count_a_known_load(model_dir):
         assert _total(scrapes, "pagedserve:num_requests_waiting") == 0
         assert all(samples for samples in scrapes)  # both workers serve their own port
         labels = {k for samples in scrapes for (_, ls) in samples for k, _ in ls}
-        assert labels == {"model_name", "finished_reason", "le"}
+        assert labels == {"model_name", "finished_reason", "le", "event", "direction"}  # each with fixed values
 
         gateway = _scrape(live.base_url + "/metrics")
         assert _total([gateway], "pagedserve:http_requests_total", route="/v1/completions", status_code="200") == n
