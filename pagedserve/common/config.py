@@ -14,6 +14,13 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_TOKEN_BUDGET = {"cpu": 2048, "cuda": 8192}
 
 
+def quantization_methods() -> list[str]:
+    """The names in the `pagedserve.quantization` entry-point group (the built-in: int8)."""
+    from importlib.metadata import entry_points
+
+    return sorted({ep.name for ep in entry_points(group="pagedserve.quantization")})
+
+
 class EngineConfig(msgspec.Struct, kw_only=True):
     """Everything that shapes one worker's engine."""
 
@@ -37,6 +44,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     #: CPU float32: decode-only steps of up to this many sequences run in the fused C++ step
     #: (kernels/cpu_decode.py); 0 turns it off
     fused_decode_max_batch: int = 16
+    #: weight quantization at load time: an entry point in pagedserve.quantization (int8:
+    #: weight-only int8, one scale per output channel); None: the checkpoint's float weights
+    quantization: str | None = None
+    quantize_lm_head: bool = False  # with `quantization`: the LM head too (the embedding lookup stays float)
     max_n: int = 16  # largest n a request may ask for
     seed: int = 0  # seeds the sampler of requests that give no seed
     num_threads: int | None = None  # torch CPU threads; None: torch's default
@@ -66,6 +77,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise InvalidParameterError("gpu_memory_utilization", "must be in (0, 1]")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise InvalidParameterError("kv_cache_memory", "must be > 0 bytes")
+        if self.quantization is not None:
+            methods = quantization_methods()
+            if self.quantization not in methods:
+                raise InvalidParameterError("quantization", f"unknown method {self.quantization!r}; "
+                                            f"choices: {', '.join(methods) or 'none installed'}")
 
 
 class ServeConfig(msgspec.Struct, kw_only=True):
