@@ -8,7 +8,8 @@ down 1536→576) and each row count M, the median time of:
 - `int8pack`: `torch.ops.aten._weight_int8pack_mm(x, w_int8, scales)`;
 - `dequant`: dequantize the int8 weights to float32, then `F.linear` (what the int8 linear
   does above its switch-over row count);
-- `small_linear_int8` (M ≤ 16): the fused decode step's own GEMV (kernels/csrc/cpu_decode.cpp).
+- `small_i8`: the int8 kernel of kernels/csrc/cpu_decode.cpp (the fused decode step's GEMV,
+  blocked for any M; `torch.ops.pagedserve.int8_linear`), and `small_f32` its float32 twin.
 Printed as microseconds; the model's `Int8Linear` picks its switch-over from these figures.
 """
 
@@ -54,12 +55,18 @@ def main(argv: list[str] | None = None) -> int:
             x = torch.randn(m, k, generator=g)
             repeat = max(3, args.repeat if m <= 256 else args.repeat // 4)
             f32 = _time(lambda: F.linear(x, w), repeat)  # noqa: B023 - called right here
-            pack = _time(lambda: torch.ops.aten._weight_int8pack_mm(x, wq, scale), repeat)  # noqa: B023
-            deq = _time(lambda: F.linear(x, wq.float().mul_(scale[:, None])), repeat)  # noqa: B023
+            pack = float("nan")  # it grows linearly with M (0.1-0.5 s at M = 1024): measured up to 64
+            if m <= 64:
+                pack = _time(lambda: torch.ops.aten._weight_int8pack_mm(x, wq, scale), repeat)  # noqa: B023
+            if kernels is not None and hasattr(kernels, "int8_dequantize"):
+                deq = _time(lambda: F.linear(x, kernels.int8_dequantize(wq, scale)), repeat)  # noqa: B023
+            else:
+                deq = _time(lambda: F.linear(x, wq.float().mul_(scale[:, None])), repeat)  # noqa: B023
             small_i8 = small_f32 = float("nan")
-            if kernels is not None and m <= 16 and hasattr(kernels, "small_linear_int8"):
+            if kernels is not None and hasattr(kernels, "small_linear_int8"):
                 small_i8 = _time(lambda: kernels.small_linear_int8(x, wq, scale), repeat)  # noqa: B023
-                small_f32 = _time(lambda: kernels.small_linear(x, w), repeat)  # noqa: B023
+                if m <= 64:  # an unblocked GEMV: meant for the fused step's few rows
+                    small_f32 = _time(lambda: kernels.small_linear(x, w), repeat)  # noqa: B023
             print(f"{name:8} {m:5d} {f32:9.1f} {pack:9.1f} {deq:9.1f} {small_i8:9.1f} {small_f32:9.1f}")
     return 0
 

@@ -4,7 +4,9 @@ At load time every `nn.Linear` of the model (the LM head only with `quantize_lm_
 becomes an `Int8Linear`: `weight` int8 [out, in] and `weight_scale` float32 [out], with
 scale = max|w[o, :]| / 127 and weight = round(w / scale), so each element is off by at
 most scale / 2. Activations stay float. The fused CPU decode step reads these tensors
-directly (kernels/csrc/cpu_decode.cpp); every other step runs `Int8Linear.forward`.
+directly (kernels/csrc/cpu_decode.cpp); every other step runs `Int8Linear.forward`, which
+uses the same C++ kernel through torch's operator registry when the worker has loaded it,
+and plain torch (dequantize, then `F.linear`) elsewhere: on GPU, in other dtypes.
 """
 
 from __future__ import annotations
@@ -17,14 +19,24 @@ from torch import nn
 
 from pagedserve.common.contracts import QuantizationPlugin, QuantizationReport
 
-#: `Int8Linear.forward` on CPU float32 uses `aten._weight_int8pack_mm` up to this many rows
-#: and dequantizes to float32 for `F.linear` above. Measured on the default model's four
-#: shapes (python -m pagedserve.bench.int8_linear, 2 EPYC cores, docs/performance.md,
-#: "int8 weights"): int8pack reads a quarter of the bytes and wins while the product is
-#: bound by the weight reads (small M), but its per-row kernel does not block for the cache
-#: like float32 GEMM does, so past a few dozen rows float32 F.linear plus one dequantization
-#: per call is faster.
-INT8PACK_MAX_ROWS = 32
+#: `Int8Linear.forward` on CPU float32 runs the int8 kernel of the fused decode step
+#: (`torch.ops.pagedserve.int8_linear`, kernels/csrc/cpu_decode.cpp) up to this many rows,
+#: and above it dequantizes the weight (`torch.ops.pagedserve.int8_dequantize`) for float32
+#: `F.linear`. Measured on the default model's four shapes, one thread (python -m
+#: pagedserve.bench.int8_linear --threads 1; docs/performance.md, "int8 weights"): the int8
+#: kernel takes 0.4-0.6x the time of float32 F.linear at M = 1-4 and about the same at
+#: M = 16 (qkv+o+gate_up+down: 1.65 ms against 1.77 ms dequantize + F.linear), but it is a
+#: blocked GEMV, not a GEMM: at M = 32-1024 it takes 1.1-2x F.linear's time, while the
+#: dequantization adds 30-100 us per call, lost in the GEMM from M = 64 on.
+#: `aten._weight_int8pack_mm` (torch 2.13 CPU) is not used: it took 10x float32's time at
+#: M = 1 (qkv 450 us against 44 us) and grows linearly with M (7.6 ms at M = 16).
+INT8_KERNEL_MAX_ROWS = 16
+
+
+def _cpu_op(name: str) -> Any:
+    """The CPU extension's operator of that name, if the worker has loaded it (the plugin may
+    not import pagedserve.kernels; the worker loads the extension for a quantized CPU model)."""
+    return getattr(torch.ops.pagedserve, name, None) if hasattr(torch.ops, "pagedserve") else None
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,12 +78,15 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        if x2.device.type == "cpu" and x2.dtype == torch.float32 and x2.shape[0] <= INT8PACK_MAX_ROWS:
-            y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.weight, self.weight_scale)
-            if self.bias is not None:
-                y = y + self.bias
+        cpu32 = x2.device.type == "cpu" and x2.dtype == torch.float32
+        linear = _cpu_op("int8_linear") if cpu32 else None
+        if linear is not None and x2.shape[0] <= INT8_KERNEL_MAX_ROWS:
+            y = linear(x2.contiguous(), self.weight, self.weight_scale, self.bias)
         else:
-            y = F.linear(x2, dequantize(self.weight, self.weight_scale, x2.dtype), self.bias)
+            dequant = _cpu_op("int8_dequantize") if cpu32 else None
+            weight = (dequant(self.weight, self.weight_scale) if dequant is not None
+                      else dequantize(self.weight, self.weight_scale, x2.dtype))
+            y = F.linear(x2, weight, self.bias)
         return y.reshape(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

@@ -50,6 +50,12 @@ def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.dev
         model.load_weights(iter_safetensors(model_dir))
     model.eval()
     if quantization is not None:
+        if device.type == "cpu":
+            # registers torch.ops.pagedserve.int8_* (kernels/csrc/cpu_decode.cpp) for the
+            # quantized modules' forward; without a compiler they fall back to torch
+            from pagedserve.kernels.cpu_attention import cpu_kernels
+
+            cpu_kernels()
         method: QuantizationPlugin = load_plugin("quantization", quantization)()
         report = method.quantize(model, quantize_lm_head=quantize_lm_head)
         logger.info("%s: %d linear layers, %.1f MB of float weights now %.1f MB (LM head %s); model %.1f MB",

@@ -116,28 +116,34 @@ inline void dot_rows_int8(const int8_t* w, const float* x, int64_t in, float* s)
 }
 
 // y[r, o] = (x[r, :] · w[o, :]) · scale[o] (+ bias[o]) for r < m; w is int8 [out, in], row-major.
+// Output rows are split across threads; each thread takes blocks of 64 weight rows (64 KB of
+// int8 at most for in <= 1024, so they stay in L2) and applies every group of 8 rows of x to
+// the block before moving on: each weight row comes from memory once per call, whatever m.
 void linear_rows_int8(const float* x, int64_t m, int64_t in, const int8_t* w, const float* scale, const float* bias,
                       int64_t out, float* y) {
-  constexpr int64_t kRows = 8;
+  constexpr int64_t kRows = 8, kBlock = 64;
   at::parallel_for(0, out, 32, [&](int64_t begin, int64_t end) {
     float s[kRows];
-    for (int64_t o = begin; o < end; ++o) {
-      const int8_t* wr = w + o * in;
-      const float b = bias ? bias[o] : 0.f;
+    for (int64_t ob = begin; ob < end; ob += kBlock) {
+      const int64_t oe = std::min(end, ob + kBlock);
       for (int64_t r0 = 0; r0 < m; r0 += kRows) {
         const int64_t rn = std::min(kRows, m - r0);
         const float* xr = x + r0 * in;
-        switch (rn) {
-          case 1: dot_rows_int8<1>(wr, xr, in, s); break;
-          case 2: dot_rows_int8<2>(wr, xr, in, s); break;
-          case 3: dot_rows_int8<3>(wr, xr, in, s); break;
-          case 4: dot_rows_int8<4>(wr, xr, in, s); break;
-          case 5: dot_rows_int8<5>(wr, xr, in, s); break;
-          case 6: dot_rows_int8<6>(wr, xr, in, s); break;
-          case 7: dot_rows_int8<7>(wr, xr, in, s); break;
-          default: dot_rows_int8<8>(wr, xr, in, s); break;
+        for (int64_t o = ob; o < oe; ++o) {
+          const int8_t* wr = w + o * in;
+          switch (rn) {
+            case 1: dot_rows_int8<1>(wr, xr, in, s); break;
+            case 2: dot_rows_int8<2>(wr, xr, in, s); break;
+            case 3: dot_rows_int8<3>(wr, xr, in, s); break;
+            case 4: dot_rows_int8<4>(wr, xr, in, s); break;
+            case 5: dot_rows_int8<5>(wr, xr, in, s); break;
+            case 6: dot_rows_int8<6>(wr, xr, in, s); break;
+            case 7: dot_rows_int8<7>(wr, xr, in, s); break;
+            default: dot_rows_int8<8>(wr, xr, in, s); break;
+          }
+          const float b = bias ? bias[o] : 0.f;
+          for (int64_t r = 0; r < rn; ++r) y[(r0 + r) * out + o] = s[r] * scale[o] + b;
         }
-        for (int64_t r = 0; r < rn; ++r) y[(r0 + r) * out + o] = s[r] * scale[o] + b;
       }
     }
   });
@@ -209,9 +215,9 @@ torch::Tensor small_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch
   return y;
 }
 
-// y = (x·wᵀ)·scale (+ bias) for a few rows of float32 x [m, in], int8 w [out, in], float32 scale [out].
+// y = (x·wᵀ)·scale (+ bias) for rows of float32 x [m, in], int8 w [out, in], float32 scale [out].
 torch::Tensor small_linear_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scale,
-                                c10::optional<torch::Tensor> bias) {
+                                const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kChar && scale.scalar_type() == at::kFloat,
               "small_linear_int8: float32 x, int8 w, float32 scale");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && scale.numel() == w.size(0),
@@ -225,6 +231,24 @@ torch::Tensor small_linear_int8(torch::Tensor x, torch::Tensor w, torch::Tensor 
   torch::Tensor bc = bias.has_value() ? bias->contiguous() : torch::Tensor();
   linear_rows_int8(xc.data_ptr<float>(), xc.size(0), xc.size(1), wc.data_ptr<int8_t>(), sc.data_ptr<float>(),
                    bc.defined() ? bc.data_ptr<float>() : nullptr, wc.size(0), y.data_ptr<float>());
+  return y;
+}
+
+// The float32 weight [out, in] of an int8 weight and its per-row scales, in one parallel pass.
+torch::Tensor int8_dequantize(torch::Tensor w, torch::Tensor scale) {
+  TORCH_CHECK(w.scalar_type() == at::kChar && w.dim() == 2 && scale.scalar_type() == at::kFloat &&
+                  scale.numel() == w.size(0), "int8_dequantize: int8 w [out, in], float32 scale [out]");
+  auto wc = w.contiguous();
+  auto sc = scale.contiguous();
+  const int64_t out = w.size(0), in = w.size(1);
+  auto y = torch::empty({out, in}, scale.options());
+  const int8_t* src = wc.data_ptr<int8_t>();
+  const float* sp = sc.data_ptr<float>();
+  float* dst = y.data_ptr<float>();
+  at::parallel_for(0, out, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t o = begin; o < end; ++o)
+      for (int64_t k = 0; k < in; ++k) dst[o * in + k] = static_cast<float>(src[o * in + k]) * sp[o];
+  });
   return y;
 }
 
@@ -407,11 +431,25 @@ class FusedDecoder {
   int64_t linear_ns_ = 0, attention_ns_ = 0, other_ns_ = 0;
 };
 
+// The int8 kernels as torch operators, for modules that must not import this package (the
+// `int8` quantization plugin looks them up as torch.ops.pagedserve.*, and falls back to torch
+// where the extension is not loaded).
+TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
+  m.def("int8_linear(Tensor x, Tensor w, Tensor scale, Tensor? bias=None) -> Tensor");
+  m.def("int8_dequantize(Tensor w, Tensor scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
+  m.impl("int8_linear", &small_linear_int8);
+  m.impl("int8_dequantize", &int8_dequantize);
+}
+
 void bind_cpu_decode(pybind11::module& m) {
   m.def("small_linear", &small_linear, "y = x·wᵀ (+ bias) for a few float32 rows", pybind11::arg("x"),
         pybind11::arg("w"), pybind11::arg("bias") = pybind11::none());
   m.def("small_linear_int8", &small_linear_int8, "y = (x·wᵀ)·scale (+ bias) for a few float32 rows, int8 w",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("scale"), pybind11::arg("bias") = pybind11::none());
+  m.def("int8_dequantize", &int8_dequantize, "float32 weight of an int8 weight and its per-row scales");
   pybind11::class_<FusedDecoder>(m, "FusedDecoder")
       .def(pybind11::init<torch::Tensor, std::vector<std::vector<c10::optional<torch::Tensor>>>, torch::Tensor,
                           torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t, double>())
