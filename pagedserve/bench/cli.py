@@ -41,6 +41,8 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:
                          help="token budget of one step (default: the engine's, 2048 on CPU)")
     offline.add_argument("--max-num-seqs", default="256", help="one value, or a comma list to sweep (with --plot)")
     offline.add_argument("--no-prefix-caching", action="store_true")
+    offline.add_argument("--quantization", default=None, help="weight quantization at load time (int8)")
+    offline.add_argument("--quantize-lm-head", action="store_true", help="with --quantization: the LM head too")
     offline.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 2GiB (default: the engine's)")
     offline.add_argument("--compare", default="", choices=["", "transformers"],
                          help="also run transformers generate (static batches of 16) and generate_batch")
@@ -62,7 +64,10 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:
     latency.add_argument("--prompt", type=int, default=128, help="prompt tokens for TTFT (llama-bench -p)")
     latency.add_argument("--repeat", type=int, default=3)
     latency.add_argument("--llama-cpp", default=None, metavar="DIR", help="folder with llama.cpp's llama-bench")
-    latency.add_argument("--gguf", default=None, help="the same model as a float32 GGUF, for llama.cpp")
+    latency.add_argument("--gguf", default=None,
+                         help="the same model as GGUF files for llama.cpp (comma list: f32, then e.g. q8_0)")
+    latency.add_argument("--quantization", default=None, help="also run with this weight quantization (int8)")
+    latency.add_argument("--quantize-lm-head", action="store_true", help="with --quantization: the LM head too")
     latency.set_defaults(func=_bench_latency)
 
     online = bench.add_parser("serve", help="online benchmark of any OpenAI-compatible server, streaming")

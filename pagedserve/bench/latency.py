@@ -1,6 +1,7 @@
 """`pagedserve bench latency`: one request alone, against llama.cpp in the same run.
 
-    pagedserve bench latency --llama-cpp DIR --gguf MODEL-F32.gguf [--threads 2] [--tokens 64] [--prompt 128]
+    pagedserve bench latency --llama-cpp DIR --gguf MODEL-F32.gguf[,MODEL-Q8_0.gguf] [--threads 2] [--tokens 64]
+        [--prompt 128] [--quantization int8 [--quantize-lm-head]]
 
 Two figures, the ones a single chat user feels:
 - batch-1 decode: output tok/s of one request generating `--tokens` tokens after a one-token
@@ -11,7 +12,8 @@ Two figures, the ones a single chat user feels:
 llama.cpp runs first, in a child process, before this process creates torch's threads:
 torch's idle OpenMP threads would otherwise spin on the cores llama.cpp measures on.
 pagedserve runs as configured (the fused decode step on CPU float32) and, in the same run,
-with `--enforce-eager`. Each figure is the mean of `--repeat` runs.
+with `--enforce-eager`; with `--quantization`, both again with the weights quantized. Each
+figure is the mean of `--repeat` runs.
 """
 
 from __future__ import annotations
@@ -37,14 +39,16 @@ def llama_bench(binary_dir: str, gguf: str, threads: int, prompt: int, tokens: i
     return figures
 
 
-def measure_pagedserve(model: str, threads: int, prompt: int, tokens: int, repeat: int, eager: bool) -> dict[str, float]:
+def measure_pagedserve(model: str, threads: int, prompt: int, tokens: int, repeat: int, eager: bool,
+                       quantization: str | None = None, quantize_lm_head: bool = False) -> dict[str, float]:
     """Mean batch-1 decode tok/s and TTFT (seconds) of the in-process engine."""
     import torch
 
     from pagedserve import LLM, SamplingParams
 
     torch.set_num_threads(threads)
-    llm = LLM(model, dtype="float32", enforce_eager=eager, enable_prefix_caching=False, num_threads=threads)
+    llm = LLM(model, dtype="float32", enforce_eager=eager, enable_prefix_caching=False, num_threads=threads,
+              quantization=quantization, quantize_lm_head=quantize_lm_head)
     engine = llm.engine
     vocab = engine.hf_config.vocab_size
     generator = torch.Generator().manual_seed(0)
@@ -70,26 +74,38 @@ def measure_pagedserve(model: str, threads: int, prompt: int, tokens: int, repea
 
 
 def run(args: argparse.Namespace) -> int:
-    peer = None
+    peers: list[tuple[str, dict[str, float]]] = []
     if args.llama_cpp:
         if not args.gguf:
-            raise SystemExit("--llama-cpp needs --gguf (the same model, f32)")
-        peer = llama_bench(args.llama_cpp, args.gguf, args.threads, args.prompt, args.tokens, args.repeat)
+            raise SystemExit("--llama-cpp needs --gguf (the same model, f32; a comma list runs each)")
+        for gguf in args.gguf.split(","):
+            figures = llama_bench(args.llama_cpp, gguf, args.threads, args.prompt, args.tokens, args.repeat)
+            peers.append((f"llama.cpp {Path(gguf).stem[-12:]}", figures))
     rows = []
-    for eager in (False, True):
-        figures = measure_pagedserve(args.model, args.threads, args.prompt, args.tokens, args.repeat, eager)
-        rows.append(("pagedserve" + (" --enforce-eager" if eager else ""), figures["decode_tok_s"], figures["ttft_s"]))
-    if peer is not None:
-        rows.insert(0, ("llama.cpp f32", peer["tg"], args.prompt / peer["pp"]))
+    quantizations: list[str | None] = [None] + ([args.quantization] if args.quantization else [])
+    for quantization in quantizations:
+        for eager in (False, True):
+            figures = measure_pagedserve(args.model, args.threads, args.prompt, args.tokens, args.repeat, eager,
+                                         quantization, args.quantize_lm_head)
+            name = "pagedserve" + (f" {quantization}" if quantization else "") + (
+                "+head" if quantization and args.quantize_lm_head else "") + (" --enforce-eager" if eager else "")
+            rows.append((name, figures["decode_tok_s"], figures["ttft_s"]))
+    peer = peers[0][1] if peers else None
+    float_tok_s = rows[0][1]
+    rows = [(name, figures["tg"], args.prompt / figures["pp"]) for name, figures in peers] + rows
     import torch
 
-    print(f"model={args.model} float32 threads={args.threads} torch={torch.__version__} "
+    print(f"model={args.model} float32 activations threads={args.threads} torch={torch.__version__} "
           f"decode: {args.tokens} tokens after a 1-token prompt; TTFT: {args.prompt}-token prompt; "
           f"mean of {args.repeat}")
-    print(f"{'system':28} {'decode tok/s':>13} {'ms/token':>9} {'x llama.cpp':>12} {'TTFT ms':>9} {'x llama.cpp':>12}")
+    first = peers[0][0] if peers else "llama.cpp"
+    print(f"{'system':36} {'decode tok/s':>13} {'ms/token':>9} {'x ' + first:>24} {'x ours f32':>11} "
+          f"{'TTFT ms':>9} {'x ' + first:>24}")
     for name, tok_s, ttft in rows:
         ratio = f"{tok_s / peer['tg']:.2f}" if peer else "-"
         ttft_ratio = f"{(args.prompt / peer['pp']) / ttft:.2f}" if peer else "-"
-        print(f"{name:28} {tok_s:13.1f} {1e3 / tok_s:9.1f} {ratio:>12} {ttft * 1e3:9.1f} {ttft_ratio:>12}")
-    print("x llama.cpp: its time over ours (above 1: pagedserve is faster)")
+        print(f"{name:36} {tok_s:13.1f} {1e3 / tok_s:9.1f} {ratio:>24} {tok_s / float_tok_s:11.2f} "
+              f"{ttft * 1e3:9.1f} {ttft_ratio:>24}")
+    print(f"x {first}: its time over ours (above 1: faster than it); x ours f32: decode tok/s over "
+          "pagedserve float32 (fused) in this run")
     return 0

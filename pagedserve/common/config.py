@@ -18,6 +18,13 @@ DEFAULT_TOKEN_BUDGET = {"cpu": 2048, "cuda": 8192}
 CPU_TOKENS_PER_THREAD = 1024
 
 
+def quantization_methods() -> list[str]:
+    """The names in the `pagedserve.quantization` entry-point group (the built-in: int8)."""
+    from importlib.metadata import entry_points
+
+    return sorted({ep.name for ep in entry_points(group="pagedserve.quantization")})
+
+
 class EngineConfig(msgspec.Struct, kw_only=True):
     """Everything that shapes one worker's engine."""
 
@@ -41,6 +48,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     #: CPU float32: decode-only steps of up to this many sequences run in the fused C++ step
     #: (kernels/cpu_decode.py); 0 turns it off
     fused_decode_max_batch: int = 16
+    #: weight quantization at load time: an entry point in pagedserve.quantization (int8:
+    #: weight-only int8, one scale per output channel); None: the checkpoint's float weights
+    quantization: str | None = None
+    quantize_lm_head: bool = False  # with `quantization`: the LM head too (the embedding lookup stays float)
     max_n: int = 16  # largest n a request may ask for
     #: bytes of the shared KV tier (worker/kv_tier.py): blocks evicted from the pool stay
     #: loadable by every worker of the model; 0: off. Flags and env take sizes like 8GiB
@@ -86,6 +97,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise InvalidParameterError("kv_tier_memory", "must be >= 0 bytes (0: no tier)")
         if self.kv_tier_timeout <= 0:
             raise InvalidParameterError("kv_tier_timeout", "must be > 0 seconds")
+        if self.quantization is not None:
+            methods = quantization_methods()
+            if self.quantization not in methods:
+                raise InvalidParameterError("quantization", f"unknown method {self.quantization!r}; "
+                                            f"choices: {', '.join(methods) or 'none installed'}")
 
 
 class ServeConfig(msgspec.Struct, kw_only=True):

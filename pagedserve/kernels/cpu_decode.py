@@ -8,6 +8,9 @@ loops, with no Python or aten calls per layer. The runner uses it for decode-onl
 up to `fused_decode_max_batch` sequences; every other step (prefill chunks, mixed or larger
 batches) runs the model's own `forward`.
 
+With int8 weights (`EngineConfig.quantization`), the projections whose `DecoderLayerWeights`
+carry a scale run the int8 GEMV of the same file (and the LM head too when it is int8).
+
 Nothing is captured or compiled per batch size: the kernels are built once with the CPU
 attention kernel (kernels/cpu_attention.py) and take any number of rows.
 """
@@ -17,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pagedserve.common.contracts import DecoderWeights, ModelInput
+from pagedserve.common.contracts import DecoderLayerWeights, DecoderWeights, ModelInput
 from pagedserve.kernels.cpu_attention import cpu_kernels
 
 
@@ -34,6 +37,11 @@ def fused_decode_supported(weights: DecoderWeights | None, dtype: torch.dtype, d
     return None
 
 
+def _scales(w: DecoderLayerWeights) -> list[torch.Tensor | None]:
+    """The int8 scales of one layer's projections, in the kernel's slot order (None: float)."""
+    return [w.qkv_scale, w.o_proj_scale, w.gate_up_scale, w.down_scale]
+
+
 class FusedDecoder:
     """The decode forward and the LM head of one model, for batches of a few sequences."""
 
@@ -45,8 +53,11 @@ class FusedDecoder:
         self.max_batch = max_batch
         self.num_steps = 0  # decode steps run here (the rest ran the model's forward)
         self.lm_head = weights.lm_head
+        self.lm_head_scale = weights.lm_head_scale
         layers = [[w.input_norm, w.qkv, w.qkv_bias, w.q_norm, w.k_norm, w.o_proj, w.post_norm, w.gate_up, w.down]
                   for w in weights.layers]
+        if any(_scales(w) != [None] * 4 for w in weights.layers):
+            layers = [slots + _scales(w) for slots, w in zip(layers, weights.layers)]
         self._impl = kernels.FusedDecoder(weights.embed, layers, weights.final_norm, weights.cos.float(),
                                           weights.sin.float(), weights.num_heads, weights.num_kv_heads,
                                           weights.head_dim, weights.rms_norm_eps)
@@ -66,6 +77,8 @@ class FusedDecoder:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [n, vocab] of a few rows of final hidden states."""
+        if self.lm_head_scale is not None:
+            return self._kernels.small_linear_int8(hidden.contiguous(), self.lm_head, self.lm_head_scale)
         return self._kernels.small_linear(hidden.contiguous(), self.lm_head)
 
     def set_profile(self, on: bool) -> None:

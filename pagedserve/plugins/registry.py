@@ -17,6 +17,7 @@ GROUPS = {
     "samplers": "pagedserve.samplers",
     "models": "pagedserve.models",
     "routers": "pagedserve.routers",
+    "quantization": "pagedserve.quantization",
 }
 
 
@@ -47,7 +48,8 @@ class PluginRegistry:
             known = ", ".join(sorted(plugins)) or "none"
             why = self._broken[kind].get(name)
             detail = f" (it failed to load: {why})" if why else ""
-            raise PluginError(f"unknown {kind[:-1]} {name!r}{detail}; known: {known}", param=kind[:-1])
+            single = kind.removesuffix("s")
+            raise PluginError(f"unknown {single} {name!r}{detail}; known: {known}", param=single)
         return plugins[name]
 
     def _load(self, kind: str) -> None:
@@ -77,5 +79,5 @@ registry = PluginRegistry()
 
 
 def load_plugin(kind: str, name: str) -> Any:
-    """The factory of plugin `name` of `kind` ("schedulers", "samplers", "models", "routers")."""
+    """The factory of plugin `name` of `kind` ("schedulers", "samplers", "models", "routers", "quantization")."""
     return registry.get(kind, name)

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from pagedserve.common.contracts import Kernels
+from pagedserve.common.contracts import Kernels, QuantizationPlugin
 from pagedserve.plugins import load_plugin
+
+logger = logging.getLogger(__name__)
 
 
 def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -29,10 +32,13 @@ def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.device, kernels: Kernels,
-               load_format: str = "auto") -> torch.nn.Module:
+               load_format: str = "auto", quantization: str | None = None,
+               quantize_lm_head: bool = False) -> torch.nn.Module:
     """The `pagedserve.models` plugin named by config.json's `architectures`, with weights:
     the checkpoint's (`auto`), or seeded random ones (`dummy`: a config.json and a
-    tokenizer are enough, to measure a model whose weights are not at hand)."""
+    tokenizer are enough, to measure a model whose weights are not at hand). With
+    `quantization`, the `pagedserve.quantization` plugin of that name then quantizes its
+    linear layers."""
     architectures = getattr(hf_config, "architectures", None) or []
     if not architectures:
         raise ValueError(f"{model_dir}/config.json names no `architectures`")
@@ -42,7 +48,20 @@ def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.dev
         dummy_weights(model)
     else:
         model.load_weights(iter_safetensors(model_dir))
-    return model.eval()
+    model.eval()
+    if quantization is not None:
+        if device.type == "cpu":
+            # registers torch.ops.pagedserve.int8_* (kernels/csrc/cpu_decode.cpp) for the
+            # quantized modules' forward; without a compiler they fall back to torch
+            from pagedserve.kernels.cpu_attention import cpu_kernels
+
+            cpu_kernels()
+        method: QuantizationPlugin = load_plugin("quantization", quantization)()
+        report = method.quantize(model, quantize_lm_head=quantize_lm_head)
+        logger.info("%s: %d linear layers, %.1f MB of float weights now %.1f MB (LM head %s); model %.1f MB",
+                    report.method, report.num_linear, report.float_bytes / 1e6, report.quantized_bytes / 1e6,
+                    "quantized" if report.lm_head else "float", report.model_bytes / 1e6)
+    return model
 
 
 @torch.no_grad()

@@ -46,7 +46,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # what the kernels' self-check cached is not the KV cache's to lose
         self.attention_backend = self.kernels.attention
-        self.model = load_model(model_dir, hf_config, self.dtype, self.device, self.kernels, config.load_format)
+        self.model = load_model(model_dir, hf_config, self.dtype, self.device, self.kernels, config.load_format,
+                                config.quantization, config.quantize_lm_head)
         self.vocab_size: int = hf_config.vocab_size
         self.block_size = config.block_size
 

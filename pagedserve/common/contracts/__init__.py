@@ -21,6 +21,7 @@ from pagedserve.common.contracts.model import (
     KernelOps,
     Kernels,
 )
+from pagedserve.common.contracts.quantization import QuantizationPlugin, QuantizationReport
 from pagedserve.common.contracts.request import Request, RequestStatus
 from pagedserve.common.contracts.routing import (
     PrefixLookup,
@@ -63,6 +64,8 @@ __all__ = [
     "ModelInput",
     "PrefixHit",
     "PrefixLookup",
+    "QuantizationPlugin",
+    "QuantizationReport",
     "Request",
     "RequestDelta",
     "RequestOutput",

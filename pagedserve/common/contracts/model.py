@@ -129,6 +129,13 @@ class DecoderLayerWeights:
     post_norm: torch.Tensor  # [hidden] RMSNorm weight before the MLP
     gate_up: torch.Tensor  # [2 * intermediate, hidden]: gate then up (SwiGLU)
     down: torch.Tensor  # [hidden, intermediate]
+    #: int8 weights (EngineConfig.quantization): one float32 scale per output row of the
+    #: projection of that name, whose tensor above is then int8 (float weight = int8 × scale);
+    #: None: that projection is float, in the model's dtype
+    qkv_scale: torch.Tensor | None = None  # [q + 2 * kv]
+    o_proj_scale: torch.Tensor | None = None  # [hidden]
+    gate_up_scale: torch.Tensor | None = None  # [2 * intermediate]
+    down_scale: torch.Tensor | None = None  # [hidden]
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +153,7 @@ class DecoderWeights:
     num_kv_heads: int
     head_dim: int
     rms_norm_eps: float
+    lm_head_scale: torch.Tensor | None = None  # [vocab] when lm_head is int8 (--quantize-lm-head), else None
 
 
 class CausalLMPlugin(ABC):

@@ -13,11 +13,20 @@
 //    plain loops over the few rows, between the products, in scratch buffers kept from
 //    step to step (only the attention kernel's query and output are allocated per layer).
 //  - attention is the paged decode kernel of cpu_paged_attention.cpp.
+//  - int8 weights (`--quantization int8`): `linear_rows_int8` reads each int8 weight row once,
+//    widens 16 (AVX-512) or 8 (AVX2) of them to float in registers, and applies them to up
+//    to 8 rows of x at a time with float FMAs; the row's scale multiplies the sum. A quarter
+//    of the bytes of the float32 row, for the same arithmetic. Plain C++ where neither
+//    instruction set is compiled in (the build is -march=native).
 //
 // It computes exactly what the eager model computes (plugins/models/llama.py with the torch
 // ops), up to float rounding order.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <chrono>
@@ -40,6 +49,101 @@ void linear_rows(const float* x, int64_t m, int64_t in, const float* w, const fl
         float s = 0.f;
         for (int64_t k = 0; k < in; ++k) s += wr[k] * xr[k];
         y[r * out + o] = bias ? s + bias[o] : s;
+      }
+    }
+  });
+}
+
+// s[r] = Σ_k w[k]·x[r·in + k] for R rows of x against one int8 weight row (R fixed at compile
+// time, so the accumulators stay in registers; small R uses several per row to hide the FMA
+// latency: at batch 1 the loop is otherwise bound by one FMA chain, not by memory).
+template <int R>
+inline void dot_rows_int8(const int8_t* w, const float* x, int64_t in, float* s) {
+  int64_t k = 0;
+#if defined(__AVX512F__)
+  constexpr int U = R <= 2 ? 4 : (R <= 4 ? 2 : 1);
+  __m512 acc[R][U];
+  for (int r = 0; r < R; ++r)
+    for (int u = 0; u < U; ++u) acc[r][u] = _mm512_setzero_ps();
+  for (; k + 16 * U <= in; k += 16 * U) {
+#pragma GCC unroll 4
+    for (int u = 0; u < U; ++u) {
+      const __m512 wv = _mm512_cvtepi32_ps(
+          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k + 16 * u))));
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) acc[r][u] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + r * in + k + 16 * u), acc[r][u]);
+    }
+  }
+  for (; k + 16 <= in; k += 16) {
+    const __m512 wv =
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k))));
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[r][0] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + r * in + k), acc[r][0]);
+  }
+  for (int r = 0; r < R; ++r) {
+    __m512 t = acc[r][0];
+    for (int u = 1; u < U; ++u) t = _mm512_add_ps(t, acc[r][u]);
+    s[r] = _mm512_reduce_add_ps(t);
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  constexpr int U = R <= 2 ? 4 : (R <= 4 ? 2 : 1);
+  __m256 acc[R][U];
+  for (int r = 0; r < R; ++r)
+    for (int u = 0; u < U; ++u) acc[r][u] = _mm256_setzero_ps();
+  for (; k + 8 * U <= in; k += 8 * U) {
+#pragma GCC unroll 4
+    for (int u = 0; u < U; ++u) {
+      const __m256 wv = _mm256_cvtepi32_ps(
+          _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + k + 8 * u))));
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) acc[r][u] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + r * in + k + 8 * u), acc[r][u]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    __m256 t = acc[r][0];
+    for (int u = 1; u < U; ++u) t = _mm256_add_ps(t, acc[r][u]);
+    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+    const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    s[r] = _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));
+  }
+#else
+  for (int r = 0; r < R; ++r) s[r] = 0.f;
+#endif
+  for (; k < in; ++k) {  // the tail (and the whole row without SIMD)
+    const float wk = static_cast<float>(w[k]);
+    for (int r = 0; r < R; ++r) s[r] += wk * x[r * in + k];
+  }
+}
+
+// y[r, o] = (x[r, :] · w[o, :]) · scale[o] (+ bias[o]) for r < m; w is int8 [out, in], row-major.
+// Output rows are split across threads; each thread takes blocks of 64 weight rows (64 KB of
+// int8 at most for in <= 1024, so they stay in L2) and applies every group of 8 rows of x to
+// the block before moving on: each weight row comes from memory once per call, whatever m.
+void linear_rows_int8(const float* x, int64_t m, int64_t in, const int8_t* w, const float* scale, const float* bias,
+                      int64_t out, float* y) {
+  constexpr int64_t kRows = 8, kBlock = 64;
+  at::parallel_for(0, out, 32, [&](int64_t begin, int64_t end) {
+    float s[kRows];
+    for (int64_t ob = begin; ob < end; ob += kBlock) {
+      const int64_t oe = std::min(end, ob + kBlock);
+      for (int64_t r0 = 0; r0 < m; r0 += kRows) {
+        const int64_t rn = std::min(kRows, m - r0);
+        const float* xr = x + r0 * in;
+        for (int64_t o = ob; o < oe; ++o) {
+          const int8_t* wr = w + o * in;
+          switch (rn) {
+            case 1: dot_rows_int8<1>(wr, xr, in, s); break;
+            case 2: dot_rows_int8<2>(wr, xr, in, s); break;
+            case 3: dot_rows_int8<3>(wr, xr, in, s); break;
+            case 4: dot_rows_int8<4>(wr, xr, in, s); break;
+            case 5: dot_rows_int8<5>(wr, xr, in, s); break;
+            case 6: dot_rows_int8<6>(wr, xr, in, s); break;
+            case 7: dot_rows_int8<7>(wr, xr, in, s); break;
+            default: dot_rows_int8<8>(wr, xr, in, s); break;
+          }
+          const float b = bias ? bias[o] : 0.f;
+          for (int64_t r = 0; r < rn; ++r) y[(r0 + r) * out + o] = s[r] * scale[o] + b;
+        }
       }
     }
   });
@@ -74,7 +178,28 @@ using Clock = std::chrono::steady_clock;
 
 struct Layer {
   torch::Tensor input_norm, qkv, qkv_bias, q_norm, k_norm, o_proj, post_norm, gate_up, down;
+  torch::Tensor qkv_scale, o_proj_scale, gate_up_scale, down_scale;  // defined: that weight is int8
 };
+
+// y = x·wᵀ (+ bias) of m rows, float32 w, or int8 w with one scale per row when `scale` is defined.
+inline void linear_any(const float* x, int64_t m, int64_t in, const torch::Tensor& w, const torch::Tensor& scale,
+                       const float* bias, int64_t out, float* y) {
+  if (scale.defined())
+    linear_rows_int8(x, m, in, w.data_ptr<int8_t>(), scale.data_ptr<float>(), bias, out, y);
+  else
+    linear_rows(x, m, in, w.data_ptr<float>(), bias, out, y);
+}
+
+// The weight of one projection: float32, or int8 [out, in] with float32 scales [out].
+void check_weight(const torch::Tensor& w, const torch::Tensor& scale, int64_t out, int64_t in, const char* name) {
+  TORCH_CHECK(w.dim() == 2 && w.size(0) == out && w.size(1) == in, name, ": weight of the wrong shape");
+  if (scale.defined()) {
+    TORCH_CHECK(w.scalar_type() == at::kChar, name, ": a weight with scales is int8");
+    TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == out, name, ": one float32 scale per row");
+  } else {
+    TORCH_CHECK(w.scalar_type() == at::kFloat, name, ": a weight without scales is float32");
+  }
+}
 
 }  // namespace
 
@@ -90,10 +215,49 @@ torch::Tensor small_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch
   return y;
 }
 
+// y = (x·wᵀ)·scale (+ bias) for rows of float32 x [m, in], int8 w [out, in], float32 scale [out].
+torch::Tensor small_linear_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scale,
+                                const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kChar && scale.scalar_type() == at::kFloat,
+              "small_linear_int8: float32 x, int8 w, float32 scale");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && scale.numel() == w.size(0),
+              "small_linear_int8: x [m, in], w [out, in], scale [out]");
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->numel() == w.size(0)),
+              "small_linear_int8: float32 bias [out]");
+  auto xc = x.contiguous();
+  auto wc = w.contiguous();
+  auto sc = scale.contiguous();
+  auto y = torch::empty({x.size(0), w.size(0)}, x.options());
+  torch::Tensor bc = bias.has_value() ? bias->contiguous() : torch::Tensor();
+  linear_rows_int8(xc.data_ptr<float>(), xc.size(0), xc.size(1), wc.data_ptr<int8_t>(), sc.data_ptr<float>(),
+                   bc.defined() ? bc.data_ptr<float>() : nullptr, wc.size(0), y.data_ptr<float>());
+  return y;
+}
+
+// The float32 weight [out, in] of an int8 weight and its per-row scales, in one parallel pass.
+torch::Tensor int8_dequantize(torch::Tensor w, torch::Tensor scale) {
+  TORCH_CHECK(w.scalar_type() == at::kChar && w.dim() == 2 && scale.scalar_type() == at::kFloat &&
+                  scale.numel() == w.size(0), "int8_dequantize: int8 w [out, in], float32 scale [out]");
+  auto wc = w.contiguous();
+  auto sc = scale.contiguous();
+  const int64_t out = w.size(0), in = w.size(1);
+  auto y = torch::empty({out, in}, scale.options());
+  const int8_t* src = wc.data_ptr<int8_t>();
+  const float* sp = sc.data_ptr<float>();
+  float* dst = y.data_ptr<float>();
+  at::parallel_for(0, out, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t o = begin; o < end; ++o)
+      for (int64_t k = 0; k < in; ++k) dst[o * in + k] = static_cast<float>(src[o * in + k]) * sp[o];
+  });
+  return y;
+}
+
 class FusedDecoder {
  public:
   // layers: per layer [input_norm, qkv, qkv_bias?, q_norm?, k_norm?, o_proj, post_norm, gate_up, down]
-  // (undefined tensors — None from Python — where the model has none); cos/sin [positions, head_dim].
+  // (undefined tensors — None from Python — where the model has none), optionally followed by
+  // [qkv_scale?, o_proj_scale?, gate_up_scale?, down_scale?]: a projection with a scale has
+  // int8 weights; cos/sin [positions, head_dim].
   FusedDecoder(torch::Tensor embed, std::vector<std::vector<c10::optional<torch::Tensor>>> layers,
                torch::Tensor final_norm, torch::Tensor cos, torch::Tensor sin, int64_t num_heads,
                int64_t num_kv_heads, int64_t head_dim, double eps)
@@ -105,14 +269,21 @@ class FusedDecoder {
       return t.has_value() ? t->contiguous() : torch::Tensor();
     };
     for (auto& l : layers) {
-      TORCH_CHECK(l.size() == 9, "a layer has 9 weight slots");
+      TORCH_CHECK(l.size() == 9 || l.size() == 13, "a layer has 9 weight slots (13 with the int8 scales)");
+      auto scale = [&](size_t i) { return l.size() == 13 ? get(l[i]) : torch::Tensor(); };
       layers_.push_back({get(l[0]), get(l[1]), get(l[2]), get(l[3]), get(l[4]), get(l[5]), get(l[6]), get(l[7]),
-                         get(l[8])});
+                         get(l[8]), scale(9), scale(10), scale(11), scale(12)});
     }
     hidden_size_ = embed_.size(1);
     intermediate_ = layers_.at(0).down.size(1);
     q_size_ = num_heads_ * head_dim_;
     kv_size_ = num_kv_heads_ * head_dim_;
+    for (const auto& L : layers_) {
+      check_weight(L.qkv, L.qkv_scale, q_size_ + 2 * kv_size_, hidden_size_, "qkv");
+      check_weight(L.o_proj, L.o_proj_scale, hidden_size_, q_size_, "o_proj");
+      check_weight(L.gate_up, L.gate_up_scale, 2 * intermediate_, hidden_size_, "gate_up");
+      check_weight(L.down, L.down_scale, hidden_size_, intermediate_, "down");
+    }
     scale_ = 1.0 / std::sqrt(static_cast<double>(head_dim_));
   }
 
@@ -185,8 +356,8 @@ class FusedDecoder {
         for (int64_t i = 0; i < m * H; ++i) residual[i] += hidden[i];
       rms_norm_rows(residual, m, H, L.input_norm.data_ptr<float>(), eps_, normed);
       lap(other_ns_);
-      linear_rows(normed, m, H, L.qkv.data_ptr<float>(), L.qkv_bias.defined() ? L.qkv_bias.data_ptr<float>() : nullptr,
-                  qkv_out, qkv_.data());
+      linear_any(normed, m, H, L.qkv, L.qkv_scale, L.qkv_bias.defined() ? L.qkv_bias.data_ptr<float>() : nullptr,
+                 qkv_out, qkv_.data());
       lap(linear_ns_);
       auto& kv = kv_caches[li];
       float* k_cache = kv.data_ptr<float>();
@@ -215,12 +386,12 @@ class FusedDecoder {
       lap(other_ns_);
       auto attn = paged_decode_attention(q, kv[0], kv[1], block_tables, seq_lens, scale_);
       lap(attention_ns_);
-      linear_rows(attn.data_ptr<float>(), m, q_size_, L.o_proj.data_ptr<float>(), nullptr, H, hidden);
+      linear_any(attn.data_ptr<float>(), m, q_size_, L.o_proj, L.o_proj_scale, nullptr, H, hidden);
       lap(linear_ns_);
       for (int64_t i = 0; i < m * H; ++i) residual[i] += hidden[i];
       rms_norm_rows(residual, m, H, L.post_norm.data_ptr<float>(), eps_, normed);
       lap(other_ns_);
-      linear_rows(normed, m, H, L.gate_up.data_ptr<float>(), nullptr, 2 * I, mlp_.data());
+      linear_any(normed, m, H, L.gate_up, L.gate_up_scale, nullptr, 2 * I, mlp_.data());
       lap(linear_ns_);
       for (int64_t r = 0; r < m; ++r) {
         const float* gate = mlp_.data() + r * 2 * I;
@@ -230,7 +401,7 @@ class FusedDecoder {
         for (int64_t i = 0; i < I; ++i) a[i] = gate[i] / (1.f + std::exp(std::min(-gate[i], 80.f))) * up[i];
       }
       lap(other_ns_);
-      linear_rows(act_.data(), m, I, L.down.data_ptr<float>(), nullptr, H, hidden);
+      linear_any(act_.data(), m, I, L.down, L.down_scale, nullptr, H, hidden);
       lap(linear_ns_);
     }
     for (int64_t i = 0; i < m * H; ++i) residual[i] += hidden[i];
@@ -260,9 +431,25 @@ class FusedDecoder {
   int64_t linear_ns_ = 0, attention_ns_ = 0, other_ns_ = 0;
 };
 
+// The int8 kernels as torch operators, for modules that must not import this package (the
+// `int8` quantization plugin looks them up as torch.ops.pagedserve.*, and falls back to torch
+// where the extension is not loaded).
+TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
+  m.def("int8_linear(Tensor x, Tensor w, Tensor scale, Tensor? bias=None) -> Tensor");
+  m.def("int8_dequantize(Tensor w, Tensor scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
+  m.impl("int8_linear", &small_linear_int8);
+  m.impl("int8_dequantize", &int8_dequantize);
+}
+
 void bind_cpu_decode(pybind11::module& m) {
   m.def("small_linear", &small_linear, "y = x·wᵀ (+ bias) for a few float32 rows", pybind11::arg("x"),
         pybind11::arg("w"), pybind11::arg("bias") = pybind11::none());
+  m.def("small_linear_int8", &small_linear_int8, "y = (x·wᵀ)·scale (+ bias) for a few float32 rows, int8 w",
+        pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("scale"), pybind11::arg("bias") = pybind11::none());
+  m.def("int8_dequantize", &int8_dequantize, "float32 weight of an int8 weight and its per-row scales");
   pybind11::class_<FusedDecoder>(m, "FusedDecoder")
       .def(pybind11::init<torch::Tensor, std::vector<std::vector<c10::optional<torch::Tensor>>>, torch::Tensor,
                           torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t, double>())

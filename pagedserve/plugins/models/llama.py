@@ -27,6 +27,11 @@ from pagedserve.plugins.models.norm import RMSNorm
 from pagedserve.plugins.models.rotary import RotaryEmbedding, rope_parameters
 
 
+def _scale(linear: nn.Module) -> torch.Tensor | None:
+    """The per-row scales of a quantized linear's int8 weight; None for a float one."""
+    return getattr(linear, "weight_scale", None)
+
+
 class DecoderAttention(nn.Module):
     def __init__(self, cfg, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool, ops: KernelOps):
         super().__init__()
@@ -122,8 +127,9 @@ class LlamaForCausalLM(nn.Module, CausalLMPlugin):
         return hidden
 
     def compute_logits(self, hidden_states):
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden_states, weight).float()  # [n, vocab]
+        if self.lm_head is None:  # tied
+            return F.linear(hidden_states, self.embed_tokens.weight).float()  # [n, vocab]
+        return self.lm_head(hidden_states).float()  # a float or a quantized linear
 
     def decoder_weights(self) -> DecoderWeights | None:
         # A subclass that computes anything differently (its own forward or LM head) must
@@ -140,11 +146,15 @@ class LlamaForCausalLM(nn.Module, CausalLMPlugin):
                 k_norm=attn.k_norm.weight if attn.k_norm is not None else None,
                 o_proj=attn.o_proj.weight, post_norm=layer.post_attention_layernorm.weight,
                 gate_up=layer.mlp.gate_up_proj.weight, down=layer.mlp.down_proj.weight,
+                # a quantized linear (contracts/quantization.py) carries its per-row scales
+                qkv_scale=_scale(attn.qkv_proj), o_proj_scale=_scale(attn.o_proj),
+                gate_up_scale=_scale(layer.mlp.gate_up_proj), down_scale=_scale(layer.mlp.down_proj),
             ))
         first = cast(DecoderLayer, self.layers[0]).self_attn
         return DecoderWeights(
             embed=self.embed_tokens.weight, layers=layers, final_norm=self.norm.weight,
             lm_head=self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight,
+            lm_head_scale=None if self.lm_head is None else _scale(self.lm_head),
             cos=first.rotary.cos, sin=first.rotary.sin, num_heads=first.num_heads, num_kv_heads=first.num_kv_heads,
             head_dim=first.head_dim, rms_norm_eps=float(self.config.rms_norm_eps),
         )

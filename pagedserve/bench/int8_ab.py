@@ -1,0 +1,87 @@
+"""Batch-1 decode, float32 against int8 weights, interleaved round by round in one process.
+
+    python -m pagedserve.bench.int8_ab [--rounds 8] [--tokens 32] [--threads 2]
+        [--llama-cpp DIR --gguf MODEL-Q8_0.gguf]
+
+On a shared machine the load changes from second to second, so one figure after the other
+(`pagedserve bench latency`) compares two different machines. Here both engines are loaded
+once and each round times one request of `--tokens` greedy tokens on each (and
+`llama-bench -n TOKENS -r 1` on the GGUF, when given), in turn; the per-round ratios are
+printed with their range.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import time
+from pathlib import Path
+from statistics import median
+
+
+def _decode_tok_s(llm, tokens: int, token_id: int) -> float:
+    from pagedserve import SamplingParams
+
+    engine = llm.engine
+    engine.add_request(f"ab-{time.monotonic_ns()}", [token_id],
+                       SamplingParams(max_tokens=tokens + 1, temperature=0.0, ignore_eos=True))
+    engine.step()  # the one-token prompt and the first token
+    started = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return tokens / (time.perf_counter() - started)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quantize-lm-head", action="store_true", help="also an int8 engine with the LM head int8")
+    parser.add_argument("--llama-cpp", default=None, metavar="DIR")
+    parser.add_argument("--gguf", default=None)
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from pagedserve import LLM, SamplingParams
+
+    torch.set_num_threads(args.threads)
+    engines = {"float32": LLM(args.model, dtype="float32", enable_prefix_caching=False, num_threads=args.threads)}
+    engines["int8"] = LLM(args.model, dtype="float32", enable_prefix_caching=False, num_threads=args.threads,
+                          quantization="int8")
+    if args.quantize_lm_head:
+        engines["int8+head"] = LLM(args.model, dtype="float32", enable_prefix_caching=False,
+                                   num_threads=args.threads, quantization="int8", quantize_lm_head=True)
+    for llm in engines.values():
+        llm.generate([[11] * 8], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    figures: dict[str, list[float]] = {name: [] for name in engines}
+    if args.llama_cpp:
+        figures["llama.cpp"] = []
+    for i in range(args.rounds):
+        if args.llama_cpp:
+            out = subprocess.run([str(Path(args.llama_cpp) / "llama-bench"), "-m", args.gguf, "-p", "0", "-n",
+                                  str(args.tokens), "-t", str(args.threads), "-r", "1", "-o", "json"],
+                                 check=True, capture_output=True, text=True).stdout
+            figures["llama.cpp"].append(float(json.loads(out)[0]["avg_ts"]))
+        for name, llm in engines.items():
+            figures[name].append(_decode_tok_s(llm, args.tokens, 100 + i))
+        print("round", i, " ".join(f"{n}={v[-1]:.1f}" for n, v in figures.items()), flush=True)
+    print(f"batch-1 decode tok/s, {args.tokens} tokens, {args.threads} threads, {args.rounds} rounds "
+          f"(median [min, max]); ratios per round against float32:")
+    base = figures["float32"]
+    for name, values in figures.items():
+        ratios = [v / b for v, b in zip(values, base)]
+        print(f"{name:10} {median(values):7.1f} [{min(values):.1f}, {max(values):.1f}]   "
+              f"x float32 {median(ratios):.2f} [{min(ratios):.2f}, {max(ratios):.2f}]")
+    if args.llama_cpp:
+        for name in engines:
+            ratios = [v / b for v, b in zip(figures[name], figures["llama.cpp"])]
+            print(f"{name} / llama.cpp: {median(ratios):.2f} [{min(ratios):.2f}, {max(ratios):.2f}]")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
