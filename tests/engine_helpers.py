@@ -39,3 +39,36 @@ def assert_pool_clean(engine) -> None:
     assert pool.num_free_blocks == pool.num_blocks
     assert all(b.ref_count == 0 for b in pool.blocks)
     assert not engine.scheduler.has_unfinished_requests()
+
+
+def assert_fused_step_equals_eager(engine) -> None:
+    """One decode step of 3 sequences at different positions (5, 17 and 40 tokens): the
+    hidden states, the KV written and the logits of the engine's fused CPU step against the
+    model's own forward, to float rounding; the greedy tokens exactly."""
+    from pagedserve import SamplingParams
+    from pagedserve.common.contracts import Request, ScheduledRequest
+
+    runner = engine.runner
+    fused = runner.fused_decoder
+    assert fused is not None
+    entries = []
+    for i, length in enumerate([5, 17, 40]):
+        request = Request(f"r{i}", list(range(3 + i, 3 + i + length)), SamplingParams(), frozenset(), max_tokens=4)
+        assert engine.kv_manager.allocate_slots(request, length)
+        request.num_computed_tokens = length - 1  # its last prompt token is this step's decode
+        entries.append(ScheduledRequest(request, 1, engine.kv_manager.block_ids(request)))
+    batch = runner.prepare_inputs(entries)
+    caches_before = [c.clone() for c in runner.kv_caches]
+    with torch.inference_mode():
+        input_ids, positions, metadata = runner._tensors(batch)
+        eager = runner.model(input_ids, positions, metadata, runner.kv_caches)
+        eager_kv = [c.clone() for c in runner.kv_caches]
+        for cache, before in zip(runner.kv_caches, caches_before):
+            cache.copy_(before)
+        hidden = fused.forward(batch)
+        torch.testing.assert_close(hidden, eager, rtol=1e-4, atol=1e-4)
+        for cache, expected in zip(runner.kv_caches, eager_kv):
+            torch.testing.assert_close(cache, expected, rtol=1e-5, atol=1e-5)
+        eager_logits = runner.model.compute_logits(eager)
+        torch.testing.assert_close(fused.logits(hidden), eager_logits, rtol=1e-4, atol=1e-4)
+        assert torch.equal(fused.logits(hidden).argmax(-1), eager_logits.argmax(-1))

@@ -8,6 +8,8 @@ import torch.nn.functional as F
 
 from pagedserve.kernels.cpu_attention import cpu_kernels
 
+from engine_helpers import assert_fused_step_equals_eager
+
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="the CPU kernels need a C++ compiler")
 
 
@@ -32,33 +34,9 @@ def test_small_linear_refuses_other_dtypes():
 def test_fused_step_equals_the_eager_forward(tiny_checkpoint, model_name):
     """Hidden states, logits and the KV written by one decode step of 3 sequences at different
     positions: the fused step and the model's forward agree to float rounding."""
-    from pagedserve import LLM, SamplingParams
-    from pagedserve.common.contracts import Request, ScheduledRequest
+    from pagedserve import LLM
 
-    engine = LLM(str(tiny_checkpoint(model_name)), kv_cache_memory=1 << 22).engine
-    runner = engine.runner
-    fused = runner.fused_decoder
-    assert fused is not None
-    entries = []
-    for i, length in enumerate([5, 17, 40]):
-        request = Request(f"r{i}", list(range(3 + i, 3 + i + length)), SamplingParams(), frozenset(), max_tokens=4)
-        assert engine.kv_manager.allocate_slots(request, length)
-        request.num_computed_tokens = length - 1  # its last prompt token is this step's decode
-        entries.append(ScheduledRequest(request, 1, engine.kv_manager.block_ids(request)))
-    batch = runner.prepare_inputs(entries)
-    caches_before = [c.clone() for c in runner.kv_caches]
-    with torch.inference_mode():
-        input_ids, positions, metadata = runner._tensors(batch)
-        eager = runner.model(input_ids, positions, metadata, runner.kv_caches)
-        eager_kv = [c.clone() for c in runner.kv_caches]
-        for cache, before in zip(runner.kv_caches, caches_before):
-            cache.copy_(before)
-        hidden = fused.forward(batch)
-        torch.testing.assert_close(hidden, eager, rtol=1e-4, atol=1e-4)
-        for cache, expected in zip(runner.kv_caches, eager_kv):
-            torch.testing.assert_close(cache, expected, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(fused.logits(hidden), runner.model.compute_logits(eager), rtol=1e-4, atol=1e-4)
-        assert torch.equal(fused.logits(hidden).argmax(-1), runner.model.compute_logits(eager).argmax(-1))
+    assert_fused_step_equals_eager(LLM(str(tiny_checkpoint(model_name)), kv_cache_memory=1 << 22).engine)
 
 
 def test_fused_step_profile_counts_each_stage_kind(tiny_checkpoint):

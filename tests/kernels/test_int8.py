@@ -15,6 +15,8 @@ from pagedserve.plugins.quantization import (
     quantize_per_channel,
 )
 
+from engine_helpers import assert_fused_step_equals_eager
+
 needs_kernels = pytest.mark.skipif(cpu_kernels() is None, reason="the CPU kernels need a C++ compiler")
 
 #: |int8 kernel - F.linear(x, dequantized w)|: both sum the same products of float32 numbers
@@ -136,38 +138,15 @@ def test_plugin_replaces_every_projection_and_reports_bytes(tiny_checkpoint):
 def test_fused_step_with_int8_weights_equals_the_eager_int8_forward(tiny_checkpoint, model_name, lm_head):
     """One decode step of 3 sequences: hidden states, the KV written and the logits of the
     fused step with int8 weights against the model's forward with the same int8 modules."""
-    from pagedserve import LLM, SamplingParams
-    from pagedserve.common.contracts import Request, ScheduledRequest
+    from pagedserve import LLM
 
     engine = LLM(str(tiny_checkpoint(model_name)), kv_cache_memory=1 << 22, quantization="int8",
                  quantize_lm_head=lm_head).engine
     runner = engine.runner
-    fused = runner.fused_decoder
-    assert fused is not None
     weights = runner.model.decoder_weights()
     assert weights.layers[0].qkv.dtype == torch.int8 and weights.layers[0].down_scale is not None
     assert (weights.lm_head_scale is not None) == lm_head
-    entries = []
-    for i, length in enumerate([5, 17, 40]):
-        request = Request(f"r{i}", list(range(3 + i, 3 + i + length)), SamplingParams(), frozenset(), max_tokens=4)
-        assert engine.kv_manager.allocate_slots(request, length)
-        request.num_computed_tokens = length - 1
-        entries.append(ScheduledRequest(request, 1, engine.kv_manager.block_ids(request)))
-    batch = runner.prepare_inputs(entries)
-    caches_before = [c.clone() for c in runner.kv_caches]
-    with torch.inference_mode():
-        input_ids, positions, metadata = runner._tensors(batch)
-        eager = runner.model(input_ids, positions, metadata, runner.kv_caches)
-        eager_kv = [c.clone() for c in runner.kv_caches]
-        for cache, before in zip(runner.kv_caches, caches_before):
-            cache.copy_(before)
-        hidden = fused.forward(batch)
-        torch.testing.assert_close(hidden, eager, rtol=1e-4, atol=1e-4)
-        for cache, expected in zip(runner.kv_caches, eager_kv):
-            torch.testing.assert_close(cache, expected, rtol=1e-5, atol=1e-5)
-        eager_logits = runner.model.compute_logits(eager)
-        torch.testing.assert_close(fused.logits(hidden), eager_logits, rtol=1e-4, atol=1e-4)
-        assert torch.equal(fused.logits(hidden).argmax(-1), eager_logits.argmax(-1))
+    assert_fused_step_equals_eager(engine)
 
 
 def test_unknown_quantization_is_an_invalid_parameter():
