@@ -18,7 +18,7 @@ import time
 import torch
 
 from pagedserve.entrypoints.redis_server import EmbeddedRedis
-from pagedserve.prefix_cache.block_pool import BlockPool
+from pagedserve.prefix_cache.block_pool import BlockPool, EvictedBlock
 from pagedserve.prefix_cache.kv_tier import KVLayout, KVTierStore
 from pagedserve.worker.kv_tier import KVTier
 
@@ -52,8 +52,6 @@ def main(argv: list[str] | None = None) -> int:
             started = time.perf_counter()
             kv = tier._gather(ids)
             gathered = time.perf_counter()
-            from pagedserve.prefix_cache.block_pool import EvictedBlock
-
             blocks = [EvictedBlock(i, f"r{r}-{i}".encode().ljust(32, b"."), tuple(range(16))) for i in ids]
             tier._put(blocks, kv, 0)
             put = time.perf_counter()

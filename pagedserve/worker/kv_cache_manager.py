@@ -131,11 +131,17 @@ class KVCacheManager:
     def local_prefix_blocks(self, request: Request) -> tuple[list[bytes], int]:
         """The hashes of a new request's prompt blocks that a prefix hit may cover, and how many
         of them, from the start, the pool holds now (what the KV tier need not load)."""
+        hashes = self._prompt_hashes(request)
+        if not hashes:
+            return [], 0
+        return hashes, len(self.pool.find_prefix(hashes, self._block_tokens(request, len(hashes))))
+
+    def _prompt_hashes(self, request: Request) -> list[bytes]:
+        """Hashes of the prompt blocks a prefix hit may cover (all but the last token's)."""
         max_blocks = (request.num_tokens - 1) // self.block_size
         if not self.enable_caching or max_blocks == 0:
-            return [], 0
-        hashes = self._ensure_hashes(request, max_blocks)[:max_blocks]
-        return hashes, len(self.pool.find_prefix(hashes, self._block_tokens(request, max_blocks)))
+            return []
+        return self._ensure_hashes(request, max_blocks)[:max_blocks]
 
     def insert_cached_blocks(self, request: Request, first: int,
                              token_ids: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
@@ -146,7 +152,7 @@ class KVCacheManager:
         cached blocks before `first` are kept from eviction meanwhile. It takes only free
         blocks and stops when none is left; what `allocate` evicts for them is in
         `pool.take_evicted()` when recorded, and must be copied out before they are filled."""
-        hashes, _ = self.local_prefix_blocks(request)
+        hashes = self._prompt_hashes(request)
         bs = self.block_size
         keep = self.pool.find_prefix(hashes[:first], self._block_tokens(request, first)) if first else []
         self.pool.take(keep)
