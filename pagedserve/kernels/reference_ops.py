@@ -37,8 +37,58 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotated * sin
 
 
+
+
+# -- quantized KV cache rows -------------------------------------------------------------
+# The layout every KV kernel reads and writes (the kernels tell it from the cache's dtype):
+#   float (the model's dtype): a row is head_dim values.
+#   int8: a row is head_dim int8 values then 4 bytes holding the row's float32 scale
+#         (little-endian, read as `row[head_dim:].view(torch.float32)`): value = int8 * scale,
+#         scale = max|x| / 127 over the row, int8 = round-half-even(x / scale) (0 where scale is 0).
+#   float8_e4m3fn: a row is head_dim fp8 values, no scale; writes saturate to +-448.
+# A "row" is one token's K (or V) for one KV head: the cache is
+# [2, num_blocks, block_size, num_kv_heads, row_width(head_dim, dtype)].
+
+#: bytes of an int8 row's scale, stored after its values
+KV_SCALE_BYTES = 4
+#: the largest finite float8_e4m3fn value
+FP8_E4M3_MAX = 448.0
+
+
+def kv_row_width(head_dim: int, cache_dtype: torch.dtype) -> int:
+    """Elements in one cache row: head_dim, plus the scale's 4 bytes for int8."""
+    if cache_dtype == torch.int8:
+        assert head_dim % KV_SCALE_BYTES == 0, "an int8 KV row keeps its float32 scale 4-byte aligned"
+        return head_dim + KV_SCALE_BYTES
+    return head_dim
+
+
+def quantize_kv_rows(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """x [..., head_dim] float → cache rows [..., kv_row_width(head_dim, cache_dtype)]."""
+    if cache_dtype == torch.int8:
+        xf = x.float()
+        scale = xf.abs().amax(dim=-1, keepdim=True) / 127.0
+        q = torch.where(scale > 0, xf / torch.where(scale > 0, scale, 1.0), 0.0)
+        q = q.round().clamp_(-127, 127).to(torch.int8)
+        return torch.cat((q, scale.contiguous().view(torch.int8)), dim=-1)
+    if cache_dtype == torch.float8_e4m3fn:
+        return x.float().clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(cache_dtype)
+    return x.to(cache_dtype)
+
+
+def dequantize_kv_rows(rows: torch.Tensor, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """Cache rows [..., width] → values [..., head_dim] in `dtype`."""
+    if rows.dtype == torch.int8:
+        scale = rows[..., head_dim:].contiguous().view(torch.float32)  # [..., 1]
+        return (rows[..., :head_dim].float() * scale).to(dtype)
+    return rows.to(dtype)
+
+
 def kv_store_ref(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """kv_cache [2, blocks, block_size, kv_heads, head_dim]: slot slot_mapping[i] ← key[i], value[i]."""
-    _, _, _, num_kv_heads, head_dim = kv_cache.shape
-    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping.long(), key)
-    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping.long(), value)
+    """kv_cache [2, blocks, block_size, kv_heads, width]: slot slot_mapping[i] ← key[i], value[i]
+    (quantized to the cache's dtype as above)."""
+    _, _, _, num_kv_heads, width = kv_cache.shape
+    slots = slot_mapping.long()
+    for cache, x in ((kv_cache[0], key), (kv_cache[1], value)):
+        rows = x if x.dtype == kv_cache.dtype else quantize_kv_rows(x, kv_cache.dtype)
+        cache.view(-1, num_kv_heads, width).index_copy_(0, slots, rows)
