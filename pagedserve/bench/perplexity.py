@@ -113,6 +113,8 @@ def perplexity(engine: Engine, tokens: list[int], context: int, stride: int | No
         raise ValueError("context must be >= 2 and chunk >= 1")
     if context > engine.max_model_len:
         raise ValueError(f"context {context} exceeds the engine's max_model_len {engine.max_model_len}")
+    if len(tokens) < 2:
+        raise ValueError("a text of fewer than 2 tokens has nothing to score")
     nll, scored = 0.0, 0
     spans = windows(len(tokens), context, stride or context)
     for begin, end, first in spans:

@@ -70,6 +70,8 @@ def test_window_longer_than_the_context_is_refused(tiny_checkpoint):
     with pytest.raises(ValueError, match="context 100 exceeds the engine's max_model_len 64"):
         perplexity(engine, list(range(3, 203)), context=100)
     assert perplexity(engine, list(range(3, 203)), context=64, chunk=16).num_windows == 4
+    with pytest.raises(ValueError, match="fewer than 2 tokens"):
+        perplexity(engine, [5], context=64)
     assert_pool_clean(engine)
 
 
