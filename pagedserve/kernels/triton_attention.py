@@ -8,6 +8,11 @@ inside the new tokens. For long contexts the KV range is split across programs
 kernel combines them. The new keys and values are stored by slot mapping first
 (`triton_ops.kv_store`), so attention reads only the cache.
 
+The cache may be quantized (the layout of `reference_ops.quantize_kv_rows`, told by its
+dtype): int8 rows carry their float32 scale after their head_dim values, float8_e4m3fn rows
+have none. The store quantizes each new row; attention dequantizes each K/V block to the
+query's dtype as it loads it, so only the loads change.
+
 On CPU this runs under TRITON_INTERPRET=1 (slow: tests only); the torch backend is the
 reference it is tested against.
 """
@@ -36,7 +41,7 @@ if triton is not None:
         scale, num_tokens, num_heads, num_kv_heads, max_blocks_per_seq, min_blocks_per_split,
         GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_FP32: tl.constexpr,
-        DOT_PRECISION: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, KV_INT8: tl.constexpr, ROW_WIDTH: tl.constexpr,
     ):
         tile = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -73,12 +78,24 @@ if triton is not None:
         l_i = tl.zeros([BLOCK_M * GROUP_P2], tl.float32)
         acc = tl.zeros([BLOCK_M * GROUP_P2, HEAD_DIM_P2], tl.float32)
         n = tl.arange(0, BLOCK_SIZE)
-        block_stride = BLOCK_SIZE * num_kv_heads * HEAD_DIM
+        block_stride = BLOCK_SIZE * num_kv_heads * ROW_WIDTH
         for b in range(block_lo, block_hi):
             block_id = tl.load(block_tables_ptr + seq * max_blocks_per_seq + b).to(tl.int64)
-            offs = block_id * block_stride + (n[:, None] * num_kv_heads + kv_head) * HEAD_DIM + d[None, :]
+            row_offs = block_id * block_stride + (n * num_kv_heads + kv_head) * ROW_WIDTH  # [BLOCK_SIZE]
+            offs = row_offs[:, None] + d[None, :]
             k = tl.load(k_cache_ptr + offs, mask=d_ok[None, :], other=0.0)  # [BLOCK_SIZE, HEAD_DIM_P2]
             v = tl.load(v_cache_ptr + offs, mask=d_ok[None, :], other=0.0)
+            # A quantized cache is dequantized to the query's dtype, as the torch reference does
+            # (reference_ops.dequantize_kv_rows): int8 times its row's float32 scale, which
+            # follows the row's values; float8_e4m3fn values are exact in every query dtype.
+            if KV_INT8:
+                k_scale = tl.load((k_cache_ptr + row_offs + HEAD_DIM).to(tl.pointer_type(tl.float32)))
+                v_scale = tl.load((v_cache_ptr + row_offs + HEAD_DIM).to(tl.pointer_type(tl.float32)))
+                k = (k.to(tl.float32) * k_scale[:, None]).to(q_ptr.dtype.element_ty)
+                v = (v.to(tl.float32) * v_scale[:, None]).to(q_ptr.dtype.element_ty)
+            elif k.dtype != q_ptr.dtype.element_ty:
+                k = k.to(tl.float32).to(q_ptr.dtype.element_ty)
+                v = v.to(tl.float32).to(q_ptr.dtype.element_ty)
             if DOT_FP32:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
@@ -196,6 +213,10 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: Atten
     plan: _TritonPlan = metadata.backend_state
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
+    if kv_cache.dtype in triton_ops.QUANTIZED_KV_DTYPES:
+        assert kv_cache.shape[4] == triton_ops.kv_row_width(head_dim, kv_cache.dtype), "cache rows of another head_dim"
+    else:
+        assert kv_cache.shape[4] == head_dim, "cache rows of another head_dim"
     group = num_heads // num_kv_heads
     query = query.contiguous()
     splits = plan.num_splits
@@ -218,6 +239,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: Atten
         # tl.dot rounds float32 operands to tf32 on a GPU unless told otherwise: a float32
         # model gets full float32 attention, as torch's own matmuls give it
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        KV_INT8=kv_cache.dtype == torch.int8, ROW_WIDTH=kv_cache.shape[4],
         num_warps=_num_warps(block_m * group_p2, head_dim_p2, query.element_size()),
     )
     if splits > 1:
