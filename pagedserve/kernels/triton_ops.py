@@ -151,6 +151,16 @@ if triton is not None:
 QUANTIZED_KV_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
 
+def check_kv_cache_device(kv_cache: torch.Tensor) -> None:
+    """Triton has no float8_e4m3fn below sm_89 (A100 is sm_80): say so instead of failing
+    inside the compiler at the first launch. int8 caches compile everywhere."""
+    if kv_cache.dtype == torch.float8_e4m3fn and kv_cache.is_cuda:
+        major, minor = torch.cuda.get_device_capability(kv_cache.device)
+        if (major, minor) < (8, 9):
+            raise RuntimeError(f"a float8_e4m3fn KV cache needs a GPU of sm_89 or later for the Triton kernels "
+                               f"(this one is sm_{major}{minor}); use an int8 KV cache")
+
+
 def _need_triton() -> None:
     if triton is None:
         raise RuntimeError("triton is not installed")
@@ -206,6 +216,7 @@ def kv_store(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
     if kv_cache.dtype in QUANTIZED_KV_DTYPES:
         width = kv_cache.shape[-1]
         assert width == kv_row_width(head_dim, kv_cache.dtype), f"a {kv_cache.dtype} cache of rows {width} wide"
+        check_kv_cache_device(kv_cache)
         if n:
             _kv_store_quantized_kernel[(n, num_kv_heads)](
                 key.contiguous(), value.contiguous(), kv_cache, slot_mapping, kv_cache[0].numel(), num_kv_heads,

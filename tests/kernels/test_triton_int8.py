@@ -110,3 +110,17 @@ def test_register_op_and_the_worker_check(monkeypatch):
 def test_self_check_catches_a_wrong_kernel(monkeypatch):
     monkeypatch.setattr(triton_int8, "w8a16_linear", lambda x, w, s, b: w8a16_linear_ref(x, w, s, b) + 1)
     assert triton_int8.self_check(torch.device(DEVICE)) == "w8a16_linear disagrees with the torch reference at M=1"
+
+
+@pytest.mark.gpu
+def test_the_same_checks_compiled_on_a_gpu():
+    """This file's tests again in a subprocess with TRITON_INTERPRET=0: the kernels compiled
+    for the GPU, on CUDA tensors (DEVICE), against the same references and tolerances."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu", __file__],
+                          capture_output=True, text=True, env=env, timeout=900)
+    assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-3000:]
+    assert " passed" in done.stdout and "skipped" not in done.stdout and "failed" not in done.stdout

@@ -184,3 +184,17 @@ def test_attention_reads_only_what_the_cache_says():
     backend.prepare(metadata, ODD_D12[5])
     with pytest.raises(AssertionError, match="cache rows of another head_dim"):
         paged_attention(query[..., :8].contiguous(), cache, metadata, 1.0, torch.empty_like(query[..., :8]))
+
+
+@pytest.mark.gpu
+def test_the_same_checks_compiled_on_a_gpu():
+    """This file's tests again in a subprocess with TRITON_INTERPRET=0: the kernels compiled
+    for the GPU, on CUDA tensors (DEVICE), against the same references and tolerances."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu", __file__],
+                          capture_output=True, text=True, env=env, timeout=900)
+    assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-3000:]
+    assert " passed" in done.stdout and "skipped" not in done.stdout and "failed" not in done.stdout
