@@ -276,6 +276,8 @@ def _attention_batch(kind: str, heads: int, kv_heads: int, head_dim: int, block_
 KV_CACHE_DTYPES = (None, torch.int8, torch.float8_e4m3fn)
 #: rows of x for the w8a16 GEMM: a decode step, a small batch, a prefill (its three tile sizes)
 GEMM_ROWS = (1, 32, 256)
+#: the K splits recorded for a decode step's GEMM (any count above 1 compiles the same code)
+GEMM_SPLIT_K = 4
 #: float8_e4m3fn needs sm_89 or later (Triton refuses the type below); sm_80 gets int8 only
 FP8_MIN_ARCH = 89
 
@@ -321,9 +323,11 @@ def engine_launches(dtypes=(torch.bfloat16, torch.float16, torch.float32), block
         for name, heads, kv_heads, head_dim in layouts:
             hidden, qkv = heads * head_dim, (heads + 2 * kv_heads) * head_dim
             with recording() as launches:
+                weight, scale = torch.empty(qkv, hidden, dtype=torch.int8), torch.empty(qkv)
                 for m in GEMM_ROWS:
-                    triton_int8.w8a16_linear(torch.empty(m, hidden, dtype=dtype), torch.empty(qkv, hidden, dtype=torch.int8),
-                                             torch.empty(qkv), None)
+                    triton_int8.w8a16_linear(torch.empty(m, hidden, dtype=dtype), weight, scale, None)
+                # a decode step split over K (split_k_for on a GPU), and its reduction
+                triton_int8.w8a16_linear(torch.empty(1, hidden, dtype=dtype), weight, scale, None, split_k=GEMM_SPLIT_K)
             add(f"{_TYPE_NAMES[dtype]} {name} w8a16 M={'/'.join(map(str, GEMM_ROWS))}", launches)
     return out
 

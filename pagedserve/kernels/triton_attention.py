@@ -272,9 +272,25 @@ def self_check(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str
             metadata = AttentionMetadata.for_batch(query_lens, seq_lens, tables, block_size, device)
             backend.prepare(metadata, block_size)
             outs.append(backend.forward(query, key, value, cache.clone(), metadata, head_dim**-0.5).float())
+        # an int8 KV cache (every GPU has it): Triton quantizes and dequantizes; the torch
+        # backend runs on the same values already dequantized
+        from pagedserve.kernels.reference_ops import dequantize_kv_rows, quantize_kv_rows
+
+        def rounded(t):
+            return dequantize_kv_rows(quantize_kv_rows(t, torch.int8), head_dim, dtype)
+
+        metadata = AttentionMetadata.for_batch(query_lens, seq_lens, tables, block_size, device)
+        TorchAttentionBackend().prepare(metadata, block_size)
+        want_int8 = TorchAttentionBackend().forward(query, rounded(key), rounded(value), rounded(cache), metadata,
+                                                    head_dim**-0.5)
+        triton_backend = TritonAttentionBackend(num_splits=2)
+        triton_backend.prepare(metadata, block_size)
+        got_int8 = triton_backend.forward(query, key, value, quantize_kv_rows(cache, torch.int8), metadata,
+                                          head_dim**-0.5)
         x, w = rand(5, 96), rand(96)
         checks = {
             "paged attention": (outs[1], outs[0]),
+            "paged attention (int8 KV cache)": (got_int8, want_int8),
             "rms_norm": (triton_ops.rms_norm(x, w, 1e-6, x)[0], triton_ops.rms_norm_ref(x, w, 1e-6, x)[0]),
             "silu_and_mul": (triton_ops.silu_and_mul(x), triton_ops.silu_and_mul_ref(x)),
         }

@@ -6,7 +6,9 @@ Each program computes a [BLOCK_M, BLOCK_N] tile of y: it walks K in BLOCK_K step
 the int8 weight tile to x's dtype (every int8 value is exact in fp16/bf16) and accumulates
 x · wᵀ in float32; the row scales multiply the accumulator once at the end, then the bias
 is added and the tile is rounded to x's dtype. The weight is read once per BLOCK_M rows of
-x, as int8: a decode step (M of 1-16) reads a quarter of the bytes a bf16 weight takes.
+x, as int8: a decode step (M of 1-16) reads half the bytes a bf16 weight takes. When the
+output tiles are too few to fill the GPU (small M, narrow N), K is split across programs
+(`split_k_for`) and a second kernel adds their float32 partials.
 
 `register_op()` makes the kernel `torch.ops.pagedserve.w8a16_linear`, which `Int8Linear`
 calls on CUDA (the worker registers it when it runs the Triton kernels). On CPU it runs
@@ -30,11 +32,13 @@ if triton is not None:
     import triton.language as tl
 
     @triton.jit
-    def _w8a16_gemm_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
-                           HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    def _w8a16_gemm_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, part_ptr, M, N, K, stride_xm, stride_ym,
+                           k_per_split, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, DOT_FP32: tl.constexpr,
+                           DOT_PRECISION: tl.constexpr):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
+        pid_k = tl.program_id(2)  # this program's share of K (split-K), k_per_split wide
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
@@ -43,7 +47,8 @@ if triton is not None:
         x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
         w_cols = w_ptr + rn.to(tl.int64)[None, :] * K  # the weight tile read as [BLOCK_K, BLOCK_N]
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        k_lo = pid_k * k_per_split
+        for k0 in range(k_lo, tl.minimum(k_lo + k_per_split, K), BLOCK_K):
             k = k0 + rk
             k_ok = k < K
             x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
@@ -51,11 +56,30 @@ if triton is not None:
             if DOT_FP32:
                 x = x.to(tl.float32)
             acc += tl.dot(x, w.to(x.dtype), input_precision=DOT_PRECISION)
-        acc = acc * tl.load(scale_ptr + rn, mask=n_ok, other=0.0)[None, :]
+        out_ok = m_ok[:, None] & n_ok[None, :]
+        if SPLIT_K == 1:
+            acc = acc * tl.load(scale_ptr + rn, mask=n_ok, other=0.0)[None, :]
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            y = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
+            tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=out_ok)
+        else:  # a float32 partial sum [SPLIT_K, M, N]; _w8a16_reduce_kernel finishes
+            part = part_ptr + (pid_k.to(tl.int64) * M + rm.to(tl.int64)[:, None]) * N + rn[None, :]
+            tl.store(part, acc, mask=out_ok)
+
+    @triton.jit
+    def _w8a16_reduce_kernel(part_ptr, scale_ptr, bias_ptr, y_ptr, M, N, stride_ym, HAS_BIAS: tl.constexpr,
+                             SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = rn < N
+        acc = tl.zeros([BLOCK_N], tl.float32)
+        for s in range(SPLIT_K):  # in a fixed order: the same result every run
+            acc += tl.load(part_ptr + (s * M + row) * N + rn, mask=n_ok, other=0.0)
+        acc = acc * tl.load(scale_ptr + rn, mask=n_ok, other=0.0)
         if HAS_BIAS:
-            acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        y = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
-        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+            acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+        tl.store(y_ptr + row * stride_ym + rn, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
 def w8a16_linear_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
@@ -80,10 +104,25 @@ def tiles_for(m: int) -> tuple[int, int, int, int]:
     return 64, 128, 64, 8
 
 
+def split_k_for(m: int, n: int, k: int, device: torch.device) -> int:
+    """K splits for a GEMM whose [BLOCK_M, BLOCK_N] tiles alone would not give every SM two
+    programs (a decode step on a narrow projection: Llama-3-8B's o_proj at M = 1 has 128
+    tiles of 32 columns for 132 SMs). Each split keeps at least 4 BLOCK_K steps. One split
+    off CUDA (the interpreter), and from M > 64 (enough tiles, and the partials would cost
+    more than they give)."""
+    if device.type != "cuda" or m > 64:
+        return 1
+    block_m, block_n, block_k, _ = tiles_for(m)
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    want = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(triton.cdiv(want, tiles), triton.cdiv(k, block_k) // 4, 16))
+
+
 def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
+                 bias: torch.Tensor | None = None, split_k: int | None = None) -> torch.Tensor:
     """y [..., N] = x [..., K] · (weight [N, K] int8 · scale [N] float32)ᵀ (+ bias [N]),
-    in x's dtype (float16, bfloat16 or float32)."""
+    in x's dtype (float16, bfloat16 or float32). `split_k` None: `split_k_for`; above 1 the
+    programs sum float32 partials of K ranges, which a second kernel adds in a fixed order."""
     triton_ops._need_triton()
     assert weight.dtype == torch.int8 and weight.dim() == 2, "weight: int8 [out, in]"
     assert x.dtype in (torch.float16, torch.bfloat16, torch.float32), f"w8a16 takes float activations, not {x.dtype}"
@@ -97,16 +136,25 @@ def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     if m == 0:
         return y.reshape(*shape[:-1], n)
     block_m, block_n, block_k, warps = tiles_for(m)
-    weight = weight.contiguous()
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    splits = split_k or split_k_for(m, n, k, x.device)
+    k_per_split = triton.cdiv(triton.cdiv(k, block_k), splits) * block_k
+    splits = triton.cdiv(k, k_per_split)  # none empty
+    weight, scale = weight.contiguous(), scale.contiguous()
+    bias_arg = bias if bias is not None else scale  # unused without HAS_BIAS
+    part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else y
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), splits)
     _w8a16_gemm_kernel[grid](
-        x2, weight, scale.contiguous(), bias if bias is not None else scale, y, m, n, k, x2.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        x2, weight, scale, bias_arg, y, part, m, n, k, x2.stride(0), y.stride(0), k_per_split,
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=splits,
         DOT_FP32=_INTERPRETED and x.dtype != torch.float32,
         # a float32 model gets float32 products, as torch's own matmuls give it (not tf32)
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=warps,
     )
+    if splits > 1:
+        reduce_n = min(1024, triton.next_power_of_2(n))
+        _w8a16_reduce_kernel[(m, triton.cdiv(n, reduce_n))](part, scale, bias_arg, y, m, n, y.stride(0),
+                                                            HAS_BIAS=bias is not None, SPLIT_K=splits, BLOCK_N=reduce_n)
     return y.reshape(*shape[:-1], n)
 
 

@@ -23,7 +23,8 @@ from pagedserve.kernels import triton_aot, triton_ops  # noqa: E402
 from pagedserve.kernels.triton_aot import recording  # noqa: E402
 
 KERNELS = {"_paged_attention_kernel", "_combine_splits_kernel", "_kv_store_kernel", "_rms_norm_kernel",
-           "_silu_and_mul_kernel", "_rotary_kernel", "_kv_store_quantized_kernel", "_w8a16_gemm_kernel"}
+           "_silu_and_mul_kernel", "_rotary_kernel", "_kv_store_quantized_kernel", "_w8a16_gemm_kernel",
+           "_w8a16_reduce_kernel"}
 TESTS_DIR = Path(__file__).parent.parent
 
 
@@ -45,8 +46,10 @@ def test_every_engine_kernel_compiles_for_a100_and_h100():
     # bf16, block size 16, two head layouts, three batch kinds, and the elementwise kernels
     # once per layout, each specialization once: 17 launches per architecture with a bf16
     # cache; an int8 and a float8 cache add a quantizing store and three attention kernels
-    # per layout (8 each; float8 on sm_90 only); the w8a16 GEMM 3 tile sizes in fp16 and bf16
-    assert len(results) == (17 + 8 + 6) + (17 + 8 + 8 + 6)
+    # per layout (8 each; float8 on sm_90 only); the w8a16 GEMM: 3 tile sizes, and per layout
+    # a split-K decode with its reduction (K = 4096 in 4 splits, K = 576 in 3), in fp16 and
+    # bf16 (14)
+    assert len(results) == (17 + 8 + 14) + (17 + 8 + 8 + 14)
     for r in results:
         assert r["error"] is None, r
         assert 0 <= r["shared_bytes"] <= triton_aot.SHARED_MEMORY_LIMIT[r["arch"]]
@@ -57,7 +60,7 @@ def test_every_engine_kernel_compiles_for_a100_and_h100():
         big_tile = r["kernel"] == "_paged_attention_kernel" and "llama3-8b bs16 mixed" in r["label"]
         big_gemm = r["kernel"] == "_w8a16_gemm_kernel" and r["constants"]["BLOCK_M"] == 64
         assert r["num_warps"] == (8 if big_tile or big_gemm else 4), r
-    assert "70 launches: 70 compiled, 0 refused by the compiler; 0 over the shared memory limit" in out
+    assert "86 launches: 86 compiled, 0 refused by the compiler; 0 over the shared memory limit" in out
     attention = {r["label"].split()[-1]: r["constants"] for r in results
                  if r["arch"] == 90 and r["kernel"] == "_paged_attention_kernel" and "llama3-8b" in r["label"]
                  and "kv-" not in r["label"]}
@@ -105,7 +108,7 @@ def test_float32_attention_compiles_without_tf32():
         import torch
         from pagedserve.kernels import triton_aot as aot
         [launch] = [launch for _, launch in aot.engine_launches(
-            dtypes=(torch.float32,), block_sizes=(16,), layouts=aot.HEAD_LAYOUTS[:1], kinds=("mixed",))
+            dtypes=(torch.float32,), block_sizes=(16,), layouts=aot.HEAD_LAYOUTS[:1], kinds=("mixed",), kv_cache_dtypes=(None,))
             if launch.name == "_paged_attention_kernel"]
         print(launch.kwargs["DOT_PRECISION"], *("tf32" in aot.compile_launch(launch, arch).ptx for arch in (80, 90)))
         launch.kwargs["DOT_PRECISION"] = "tf32"  # what the kernel compiled to before: the check sees it
@@ -138,7 +141,7 @@ def test_shared_memory_over_the_limit_is_flagged():
         import torch
         from pagedserve.kernels import triton_aot as aot
         [launch] = [launch for _, launch in aot.engine_launches(
-            dtypes=(torch.bfloat16,), block_sizes=(16,), layouts=aot.HEAD_LAYOUTS[:1], kinds=("mixed",))
+            dtypes=(torch.bfloat16,), block_sizes=(16,), layouts=aot.HEAD_LAYOUTS[:1], kinds=("mixed",), kv_cache_dtypes=(None,))
             if launch.name == "_paged_attention_kernel"]
         result = aot.compile_launch(launch, 90)
         print(result.notes, result.shared_bytes > 1024)
@@ -176,7 +179,8 @@ def test_quantized_kv_and_w8a16_launches_compile_where_their_types_exist():
         (90, "_paged_attention_kernel", "kv-i8", True, 132, None),
     ]
     gemm = sorted((arch, block_m) for arch, kernel, *_, block_m in rows if kernel == "_w8a16_gemm_kernel")
-    assert gemm == [(80, 16), (80, 32), (80, 64), (90, 16), (90, 32), (90, 64)]
+    assert gemm == [(80, 16), (80, 16), (80, 32), (80, 64), (90, 16), (90, 16), (90, 32), (90, 64)]  # M=1 twice: split-K
+    assert sorted(arch for arch, kernel, *_ in rows if kernel == "_w8a16_reduce_kernel") == [80, 90]
 
 
 def test_recording_sees_the_quantized_cache_and_the_gemm():
@@ -188,8 +192,10 @@ def test_recording_sees_the_quantized_cache_and_the_gemm():
         from pagedserve.kernels.triton_int8 import w8a16_linear
 
         w8a16_linear(torch.empty(1, 64), torch.empty(48, 64, dtype=torch.int8), torch.empty(48))
+        w8a16_linear(torch.empty(1, 512), torch.empty(48, 512, dtype=torch.int8), torch.empty(48), split_k=2)
     assert [launch.name for launch in launches] == ["_kv_store_quantized_kernel", "_paged_attention_kernel",
-                                                    "_w8a16_gemm_kernel"]
+                                                    "_w8a16_gemm_kernel", "_w8a16_gemm_kernel", "_w8a16_reduce_kernel"]
+    assert launches[3].grid == (1, 2, 2) and launches[3].kwargs["SPLIT_K"] == 2  # 2 column tiles × 2 K splits
     assert triton_aot.uses_fp8(launches[0]) and not triton_aot.uses_fp8(launches[2])
     signature, constexprs, _ = triton_aot.signature_of(launches[1])
     assert signature["k_cache_ptr"] == "*fp8e4nv" and signature["q_ptr"] == "*bf16"

@@ -43,6 +43,33 @@ def test_w8a16_matches_reference_on_odd_shapes(m, k, n, bias, dtype):
     torch.testing.assert_close(y, w8a16_linear_ref(x, w, scale, b), rtol=rtol, atol=atol)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize(("m", "split_k"), [(1, 3), (17, 2), (3, 7)])
+def test_w8a16_split_k_matches_reference(m, split_k, dtype):
+    """K = 520 split across programs (as split_k_for does for narrow layers on a GPU): the
+    float32 partials, added by the second kernel, give the reference's result. 7 splits of
+    K = 520 in 128-wide steps leave 5 non-empty ones."""
+    x, w, scale, b = _operands(m, 520, 75, dtype)
+    y = w8a16_linear(x, w, scale, b, split_k=split_k)
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(y, w8a16_linear_ref(x, w, scale, b), rtol=rtol, atol=atol)
+    assert torch.equal(y, w8a16_linear(x, w, scale, b, split_k=split_k))  # the same sum every run
+
+
+def test_split_k_only_where_tiles_are_few(monkeypatch):
+    class Props:
+        multi_processor_count = 132  # an H100/H200
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props())
+    cuda = torch.device("cuda")
+    assert triton_int8.split_k_for(1, 4096, 4096, torch.device("cpu")) == 1  # the interpreter: never
+    assert triton_int8.split_k_for(1, 4096, 4096, cuda) == 3  # 128 tiles of 32 columns: 264 programs wanted
+    assert triton_int8.split_k_for(1, 6144, 4096, cuda) == 2
+    assert triton_int8.split_k_for(1, 28672, 4096, cuda) == 1  # 896 tiles fill the GPU
+    assert triton_int8.split_k_for(16, 1024, 256, cuda) == 1  # K = 256 is two 128-wide steps: too short
+    assert triton_int8.split_k_for(128, 1024, 4096, cuda) == 1  # prefill: tiles enough
+
+
 def test_w8a16_large_tile_and_leading_dims():
     """M = 70 takes the 64 × 128 tile (two row tiles, the second partial); x [2, 35, K] is
     flattened and y keeps the leading dimensions; a zero scale row gives zeros (plus bias)."""

@@ -186,6 +186,24 @@ def test_attention_reads_only_what_the_cache_says():
         paged_attention(query[..., :8].contiguous(), cache, metadata, 1.0, torch.empty_like(query[..., :8]))
 
 
+def test_self_check_covers_the_int8_cache(monkeypatch):
+    """The `auto` backend's start-up check runs attention over an int8 cache too: a store
+    that writes the wrong int8 values is caught (the float cache's check still passes)."""
+    from pagedserve.kernels import triton_attention
+
+    assert triton_attention.self_check(torch.device(DEVICE), torch.float32) is None
+    store = triton_ops.kv_store
+
+    def off_by_one(key, value, kv_cache, slot_mapping):
+        store(key, value, kv_cache, slot_mapping)
+        if kv_cache.dtype == torch.int8:
+            kv_cache[..., :4].add_(1)
+
+    monkeypatch.setattr(triton_ops, "kv_store", off_by_one)
+    assert (triton_attention.self_check(torch.device(DEVICE), torch.float32)
+            == "paged attention (int8 KV cache) disagrees with the torch reference")
+
+
 @pytest.mark.gpu
 def test_the_same_checks_compiled_on_a_gpu():
     """This file's tests again in a subprocess with TRITON_INTERPRET=0: the kernels compiled
