@@ -280,9 +280,9 @@ def self_check(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str
             return dequantize_kv_rows(quantize_kv_rows(t, torch.int8), head_dim, dtype)
 
         metadata = AttentionMetadata.for_batch(query_lens, seq_lens, tables, block_size, device)
-        TorchAttentionBackend().prepare(metadata, block_size)
-        want_int8 = TorchAttentionBackend().forward(query, rounded(key), rounded(value), rounded(cache), metadata,
-                                                    head_dim**-0.5)
+        torch_backend = TorchAttentionBackend()
+        torch_backend.prepare(metadata, block_size)
+        want_int8 = torch_backend.forward(query, rounded(key), rounded(value), rounded(cache), metadata, head_dim**-0.5)
         triton_backend = TritonAttentionBackend(num_splits=2)
         triton_backend.prepare(metadata, block_size)
         got_int8 = triton_backend.forward(query, key, value, quantize_kv_rows(cache, torch.int8), metadata,
