@@ -28,7 +28,9 @@ from attention_helpers import build_batch, dense_reference  # noqa: E402
 
 #: CUDA only when the kernels are compiled (the `gpu` twin runs this file with TRITON_INTERPRET=0)
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
-CACHE_DTYPES = [torch.int8, torch.float8_e4m3fn]
+#: float8_e4m3fn compiles for sm_89+ only (a GPU below is refused: the last test)
+_FP8_HERE = DEVICE == "cpu" or torch.cuda.get_device_capability() >= (8, 9)
+CACHE_DTYPES = [torch.int8, torch.float8_e4m3fn] if _FP8_HERE else [torch.int8]
 #: attention against float64 over the same dequantized cache: what differs is the kernel's
 #: arithmetic (float32 softmax, products in the query's dtype), as for a float cache
 ATTENTION_TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
@@ -202,6 +204,18 @@ def test_self_check_covers_the_int8_cache(monkeypatch):
     monkeypatch.setattr(triton_ops, "kv_store", off_by_one)
     assert (triton_attention.self_check(torch.device(DEVICE), torch.float32)
             == "paged attention (int8 KV cache) disagrees with the torch reference")
+
+
+def test_a_float8_cache_is_refused_below_sm89(monkeypatch):
+    from types import SimpleNamespace
+
+    cache = SimpleNamespace(dtype=torch.float8_e4m3fn, is_cuda=True, device="cuda:0")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 0))
+    with pytest.raises(RuntimeError, match=r"needs a GPU of sm_89 or later .* \(this one is sm_80\); use an int8"):
+        triton_ops.check_kv_cache_device(cache)
+    triton_ops.check_kv_cache_device(SimpleNamespace(dtype=torch.int8, is_cuda=True, device="cuda:0"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
+    triton_ops.check_kv_cache_device(cache)
 
 
 @pytest.mark.gpu
