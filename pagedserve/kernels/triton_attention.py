@@ -85,14 +85,15 @@ if triton is not None:
             offs = row_offs[:, None] + d[None, :]
             k = tl.load(k_cache_ptr + offs, mask=d_ok[None, :], other=0.0)  # [BLOCK_SIZE, HEAD_DIM_P2]
             v = tl.load(v_cache_ptr + offs, mask=d_ok[None, :], other=0.0)
-            # A quantized cache is dequantized to the query's dtype, as the torch reference does
-            # (reference_ops.dequantize_kv_rows): int8 times its row's float32 scale, which
-            # follows the row's values; float8_e4m3fn values are exact in every query dtype.
+            # A quantized cache is widened to the query's dtype (int8 and float8_e4m3fn values
+            # are exact in each). An int8 row's float32 scale, after its values, multiplies the
+            # row's column of the scores (K) and of the probabilities (V) instead of its
+            # head_dim values: [rows, BLOCK_SIZE] products, not [BLOCK_SIZE, HEAD_DIM] ones.
             if KV_INT8:
                 k_scale = tl.load((k_cache_ptr + row_offs + HEAD_DIM).to(tl.pointer_type(tl.float32)))
                 v_scale = tl.load((v_cache_ptr + row_offs + HEAD_DIM).to(tl.pointer_type(tl.float32)))
-                k = (k.to(tl.float32) * k_scale[:, None]).to(q_ptr.dtype.element_ty)
-                v = (v.to(tl.float32) * v_scale[:, None]).to(q_ptr.dtype.element_ty)
+                k = k.to(tl.float32).to(q_ptr.dtype.element_ty)  # through float32: the interpreter
+                v = v.to(tl.float32).to(q_ptr.dtype.element_ty)  # converts int8 to bf16 wrongly
             elif k.dtype != q_ptr.dtype.element_ty:
                 k = k.to(tl.float32).to(q_ptr.dtype.element_ty)
                 v = v.to(tl.float32).to(q_ptr.dtype.element_ty)
@@ -100,6 +101,8 @@ if triton is not None:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * scale  # [rows, BLOCK_SIZE]
+            if KV_INT8:
+                s = s * k_scale[None, :]
             k_pos = b * BLOCK_SIZE + n
             visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < seq_len)
             s = tl.where(visible, s, float("-inf"))
@@ -108,7 +111,11 @@ if triton is not None:
             p = tl.exp(s - m_safe[:, None])
             alpha = tl.exp(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
+            if KV_INT8:
+                pv = tl.dot((p * v_scale[None, :]).to(v.dtype), v, input_precision=DOT_PRECISION)
+            else:
+                pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            acc = acc * alpha[:, None] + pv.to(tl.float32)
             m_i = m_new
 
         out = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)

@@ -91,20 +91,25 @@ def w8a16_linear_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     return y.to(x.dtype)
 
 
-def tiles_for(m: int) -> tuple[int, int, int, int]:
+def tiles_for(m: int, dtype: torch.dtype = torch.bfloat16) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for M rows of x. tl.dot wants 16 rows at least,
     so a decode (M <= 16) takes one 16-row tile and narrow, deep weight tiles: many programs
     over N, each streaming its weight rows (a GEMV bound by the weight's bytes). Larger M
-    takes square tiles that reuse each weight tile across more rows. Not tuned on a GPU yet
+    takes larger tiles that reuse each weight tile across more rows. float32 activations
+    multiply in full float32 (not tensor cores), which holds both operands in registers:
+    shallower tiles there. The sizes are the largest that compile without spilled registers
+    for sm_80 and sm_90 (`python -m pagedserve.kernels.triton_aot`); not tuned on a GPU yet
     (pagedserve/bench/gpu_kernels.py measures them)."""
+    if dtype == torch.float32:
+        return (16, 32, 32, 4) if m <= 16 else (32, 64, 32, 4) if m <= 64 else (64, 64, 32, 8)
     if m <= 16:
         return 16, 32, 128, 4
     if m <= 64:
-        return 32, 64, 64, 4
+        return 32, 64, 32, 4
     return 64, 128, 64, 8
 
 
-def split_k_for(m: int, n: int, k: int, device: torch.device) -> int:
+def split_k_for(m: int, n: int, k: int, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> int:
     """K splits for a GEMM whose [BLOCK_M, BLOCK_N] tiles alone would not give every SM two
     programs (a decode step on a narrow projection: Llama-3-8B's o_proj at M = 1 has 128
     tiles of 32 columns for 132 SMs). Each split keeps at least 4 BLOCK_K steps. One split
@@ -112,7 +117,7 @@ def split_k_for(m: int, n: int, k: int, device: torch.device) -> int:
     more than they give)."""
     if device.type != "cuda" or m > 64:
         return 1
-    block_m, block_n, block_k, _ = tiles_for(m)
+    block_m, block_n, block_k, _ = tiles_for(m, dtype)
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     want = 2 * torch.cuda.get_device_properties(device).multi_processor_count
     return max(1, min(triton.cdiv(want, tiles), triton.cdiv(k, block_k) // 4, 16))
@@ -135,8 +140,8 @@ def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y.reshape(*shape[:-1], n)
-    block_m, block_n, block_k, warps = tiles_for(m)
-    splits = split_k or split_k_for(m, n, k, x.device)
+    block_m, block_n, block_k, warps = tiles_for(m, x.dtype)
+    splits = split_k or split_k_for(m, n, k, x.device, x.dtype)
     k_per_split = triton.cdiv(triton.cdiv(k, block_k), splits) * block_k
     splits = triton.cdiv(k, k_per_split)  # none empty
     weight, scale = weight.contiguous(), scale.contiguous()

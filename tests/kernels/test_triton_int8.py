@@ -35,7 +35,7 @@ def _operands(m, k, n, dtype, bias=True, seed=0):
 @pytest.mark.parametrize("m", [1, 3, 17])
 @pytest.mark.parametrize(("k", "n", "bias"), [(200, 75, True), (72, 33, False)], ids=["k200-n75-bias", "k72-n33"])
 def test_w8a16_matches_reference_on_odd_shapes(m, k, n, bias, dtype):
-    """K and N are no multiple of any tile (BLOCK_K 64/128, BLOCK_N 32/64): masked edges."""
+    """K and N are no multiple of any tile (BLOCK_K 32/64/128, BLOCK_N 32/64): masked edges."""
     x, w, scale, b = _operands(m, k, n, dtype, bias)
     y = w8a16_linear(x, w, scale, b)
     assert y.shape == (m, n) and y.dtype == dtype and not y.isnan().any()
@@ -47,8 +47,8 @@ def test_w8a16_matches_reference_on_odd_shapes(m, k, n, bias, dtype):
 @pytest.mark.parametrize(("m", "split_k"), [(1, 3), (17, 2), (3, 7)])
 def test_w8a16_split_k_matches_reference(m, split_k, dtype):
     """K = 520 split across programs (as split_k_for does for narrow layers on a GPU): the
-    float32 partials, added by the second kernel, give the reference's result. 7 splits of
-    K = 520 in 128-wide steps leave 5 non-empty ones."""
+    float32 partials, added by the second kernel, give the reference's result. Splits are
+    whole BLOCK_K steps: 7 asked of K = 520 in 128-wide steps (bf16, M = 3) leave 5."""
     x, w, scale, b = _operands(m, 520, 75, dtype)
     y = w8a16_linear(x, w, scale, b, split_k=split_k)
     rtol, atol = TOL[dtype]
@@ -68,10 +68,13 @@ def test_split_k_only_where_tiles_are_few(monkeypatch):
     assert triton_int8.split_k_for(1, 28672, 4096, cuda) == 1  # 896 tiles fill the GPU
     assert triton_int8.split_k_for(16, 1024, 256, cuda) == 1  # K = 256 is two 128-wide steps: too short
     assert triton_int8.split_k_for(128, 1024, 4096, cuda) == 1  # prefill: tiles enough
+    # float32 takes 32-wide K steps: 128 tiles want 3 splits, each at least 4 steps
+    assert triton_int8.split_k_for(1, 4096, 4096, cuda, torch.float32) == 3
+    assert triton_int8.split_k_for(1, 4096, 256, cuda, torch.float32) == 2
 
 
 def test_w8a16_large_tile_and_leading_dims():
-    """M = 70 takes the 64 × 128 tile (two row tiles, the second partial); x [2, 35, K] is
+    """M = 70 takes the 64-row tile (two row tiles, the second partial); x [2, 35, K] is
     flattened and y keeps the leading dimensions; a zero scale row gives zeros (plus bias)."""
     x, w, scale, b = _operands(70, 96, 130, torch.bfloat16)
     scale[5] = 0.0
