@@ -10,8 +10,9 @@ kernel combines them. The new keys and values are stored by slot mapping first
 
 The cache may be quantized (the layout of `reference_ops.quantize_kv_rows`, told by its
 dtype): int8 rows carry their float32 scale after their head_dim values, float8_e4m3fn rows
-have none. The store quantizes each new row; attention dequantizes each K/V block to the
-query's dtype as it loads it, so only the loads change.
+have none. The store quantizes each new row; attention widens each K/V block to the
+query's dtype as it loads it, and multiplies an int8 row's scale into that row's column of
+the scores (K) and of the probabilities (V).
 
 On CPU this runs under TRITON_INTERPRET=1 (slow: tests only); the torch backend is the
 reference it is tested against.
