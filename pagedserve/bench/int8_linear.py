@@ -9,7 +9,9 @@ down 1536→576) and each row count M, the median time of:
 - `dequant`: dequantize the int8 weights to float32, then `F.linear` (what the int8 linear
   does above its switch-over row count);
 - `small_i8`: the int8 kernel of kernels/csrc/cpu_decode.cpp (the fused decode step's GEMV,
-  blocked for any M; `torch.ops.pagedserve.int8_linear`), and `small_f32` its float32 twin.
+  blocked for any M; `torch.ops.pagedserve.int8_linear`): the int8 × int8 kernel of
+  cpu_int8_gemv.cpp where the CPU has AVX-512 VNNI, and then `small_fma` the float path
+  (weights widened to float32) beside it; `small_f32` its float32 twin.
 Printed as microseconds; the model's `Int8Linear` picks its switch-over from these figures.
 """
 
@@ -46,7 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     kernels = cpu_kernels()
     g = torch.Generator().manual_seed(0)
-    print(f"{'shape':8} {'M':>5} {'float32':>9} {'int8pack':>9} {'dequant':>9} {'small_i8':>9} {'small_f32':>9}  (us)")
+    vnni = kernels is not None and hasattr(kernels, "int8_vnni_available") and kernels.int8_vnni_available()
+    print(f"{'shape':8} {'M':>5} {'float32':>9} {'int8pack':>9} {'dequant':>9} {'small_i8':>9} {'small_f32':>9}"
+          f"{' small_fma' if vnni else ''}  (us)")
     for name, (k, n) in SHAPES.items():
         w = torch.randn(n, k, generator=g) * 0.02
         scale = w.abs().amax(dim=1) / 127
@@ -67,7 +71,14 @@ def main(argv: list[str] | None = None) -> int:
                 small_i8 = _time(lambda: kernels.small_linear_int8(x, wq, scale), repeat)  # noqa: B023
                 if m <= 64:  # an unblocked GEMV: meant for the fused step's few rows
                     small_f32 = _time(lambda: kernels.small_linear(x, w), repeat)  # noqa: B023
-            print(f"{name:8} {m:5d} {f32:9.1f} {pack:9.1f} {deq:9.1f} {small_i8:9.1f} {small_f32:9.1f}")
+            fma = ""
+            if vnni and m <= 64:
+                kernels.set_int8_vnni(False)
+                try:
+                    fma = f" {_time(lambda: kernels.small_linear_int8(x, wq, scale), repeat):9.1f}"  # noqa: B023
+                finally:
+                    kernels.set_int8_vnni(True)
+            print(f"{name:8} {m:5d} {f32:9.1f} {pack:9.1f} {deq:9.1f} {small_i8:9.1f} {small_f32:9.1f}{fma}")
     return 0
 
 

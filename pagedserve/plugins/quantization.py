@@ -3,11 +3,14 @@
 At load time every `nn.Linear` of the model (the LM head only with `quantize_lm_head`)
 becomes an `Int8Linear`: `weight` int8 [out, in] and `weight_scale` float32 [out], with
 scale = max|w[o, :]| / 127 and weight = round(w / scale), so each element is off by at
-most scale / 2. Activations stay float. The fused CPU decode step reads these tensors
-directly (kernels/csrc/cpu_decode.cpp); every other step runs `Int8Linear.forward`, which
-uses the same C++ kernel through torch's operator registry when the worker has loaded it,
-on CUDA the Triton w8a16 GEMM (kernels/triton_int8.py) through the same registry when the
-worker has registered it, and plain torch (dequantize, then `F.linear`) elsewhere.
+most scale / 2. Activations stay float, except inside the C++ kernel on CPUs with AVX-512
+VNNI (kernels/csrc/cpu_int8_gemv.cpp), which quantizes them to int8 per block of 32 values
+(as llama.cpp's Q8_0 activations) to multiply int8 by int8. The fused CPU decode step reads
+these tensors directly (kernels/csrc/cpu_decode.cpp); every other step runs
+`Int8Linear.forward`, which uses the same C++ kernel through torch's operator registry when
+the worker has loaded it, on CUDA the Triton w8a16 GEMM (kernels/triton_int8.py) through the
+same registry when the worker has registered it, and plain torch (dequantize, then
+`F.linear`) elsewhere.
 """
 
 from __future__ import annotations

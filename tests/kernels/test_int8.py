@@ -18,6 +18,67 @@ from pagedserve.plugins.quantization import (
 from engine_helpers import assert_fused_step_equals_eager
 
 needs_kernels = pytest.mark.skipif(cpu_kernels() is None, reason="the CPU kernels need a C++ compiler")
+needs_vnni = pytest.mark.skipif(cpu_kernels() is None or not cpu_kernels().int8_vnni_available(),
+                                reason="the int8 × int8 kernel needs a CPU (and build) with AVX-512 VNNI")
+
+
+def _vnni_on() -> bool:
+    """Whether the int8 linear of the extension runs the VNNI kernel now (quantized activations)."""
+    kernels = cpu_kernels()
+    return kernels is not None and kernels.int8_vnni_enabled()
+
+
+@pytest.fixture
+def float_path():
+    """The float path of the int8 kernel (weights widened to float32) for this test, where the
+    VNNI kernel would otherwise run; the switch is restored after it."""
+    kernels = cpu_kernels()
+    previous = kernels is not None and kernels.int8_vnni_available() and kernels.set_int8_vnni(False)
+    yield
+    if previous:
+        kernels.set_int8_vnni(True)
+
+
+#: the activation block of the VNNI kernel (kernels/csrc/cpu_int8_gemv.cpp): one scale per 32 values
+ACT_BLOCK = 32
+
+
+def quantize_activations_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, d) of float32 rows x [m, k] as the VNNI kernel quantizes them, both [m, k]: per block
+    of 32 values of a row, d = max|x| / 127 and q = round(x · 127 / max|x|) (to nearest even;
+    0 for an all-zero block), so |q·d - x| <= d/2 (up to float32 rounding)."""
+    m, k = x.shape
+    blocks = -(-k // ACT_BLOCK)
+    padded = torch.zeros(m, blocks * ACT_BLOCK)
+    padded[:, :k] = x
+    amax = padded.view(m, blocks, ACT_BLOCK).abs().amax(dim=2, keepdim=True)
+    inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.round(padded.view(m, blocks, ACT_BLOCK) * inverse)
+    d = (amax / 127.0).expand(m, blocks, ACT_BLOCK)
+    return q.reshape(m, -1)[:, :k], d.reshape(m, -1)[:, :k]
+
+
+def int8_int8_linear_ref(x, q, scale, bias=None) -> torch.Tensor:
+    """What the VNNI kernel computes, in double precision: Σ_k (q_x·d)[r, k] · q[o, k] · scale[o]."""
+    qx, d = quantize_activations_ref(x)
+    y = (qx.double() * d.double()) @ q.double().T * scale.double()
+    return y if bias is None else y + bias.double()
+
+
+def assert_equals_the_reference(y, x, q, scale, bias=None) -> None:
+    """y equals int8_int8_linear_ref to float32 rounding: within 1e-5 of Σ_k |x·w| (+ 1e-6)."""
+    slack = 1e-5 * (x.double().abs() @ (q.double().abs() * scale.double()[:, None]).T) + 1e-6
+    error = (y.double() - int8_int8_linear_ref(x, q, scale, bias)).abs()
+    assert bool((error <= slack).all()), float((error - slack).max())
+
+
+def activation_bound(x, q, scale) -> torch.Tensor:
+    """|VNNI kernel - x · dequantized(w)ᵀ| per output, from the activation quantization step:
+    Σ_k (d[r, k] / 2) · |q[o, k]·scale[o]|, plus 1e-5 of Σ_k |x·w| for float32 rounding (the
+    int8 products are summed exactly in int32; each block's sum is scaled in float32)."""
+    _, d = quantize_activations_ref(x)
+    w = q.double().abs() * scale.double()[:, None]
+    return (d.double() / 2) @ w.T + 1e-5 * (x.double().abs() @ w.T) + 1e-6
 
 #: |int8 kernel - F.linear(x, dequantized w)|: both sum the same products of float32 numbers
 #: (int8 values and the scale are exact in float32), in another order, over K <= 1536 terms
@@ -70,8 +131,9 @@ def test_quantize_dequantize_error_within_half_a_scale_real_weights(tiny_checkpo
 @needs_kernels
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 17, 40])
 @pytest.mark.parametrize(("k", "n"), [(70, 131), (577, 33), (15, 3), (1536, 50)])
-def test_int8_linear_kernel_equals_the_dequantized_f_linear(rows, k, n):
-    """K and N off multiples of 16 (the AVX-512 tail) and of 8; M across the 8-row groups."""
+def test_int8_linear_kernel_equals_the_dequantized_f_linear(rows, k, n, float_path):
+    """The float path (int8 weights widened to float32, float32 activations): K and N off
+    multiples of 16 (the AVX-512 tail) and of 8; M across the 8-row groups."""
     torch.manual_seed(rows * 1000 + k)
     x, w, bias = torch.randn(rows, k), torch.randn(n, k), torch.randn(n)
     q, scale = quantize_per_channel(w)
@@ -83,6 +145,78 @@ def test_int8_linear_kernel_equals_the_dequantized_f_linear(rows, k, n):
     torch.testing.assert_close(torch.ops.pagedserve.int8_linear(x, q, scale, bias), F.linear(x, reference, bias),
                                rtol=RTOL, atol=ATOL)
     assert torch.equal(torch.ops.pagedserve.int8_dequantize(q, scale), reference)
+
+
+def _rows_of_mixed_ranges(rows: int, k: int, seed: int) -> torch.Tensor:
+    """Activation rows whose blocks of 32 span four orders of magnitude (and a zero block), so
+    that one scale per row instead of per block, or blocks cut in the wrong place, would break
+    the per-block bound."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=g)
+    blocks = -(-k // ACT_BLOCK)
+    ranges = 10.0 ** torch.randint(-3, 2, (rows, blocks), generator=g).float()
+    x *= ranges.repeat_interleave(ACT_BLOCK, dim=1)[:, :k]
+    if k >= 2 * ACT_BLOCK:
+        x[0, ACT_BLOCK:2 * ACT_BLOCK] = 0.0
+    return x
+
+
+@pytest.mark.parametrize(("rows", "k", "n"), [(1, 70, 131), (3, 577, 33), (17, 1536, 50), (2, 15, 3)])
+def test_activation_quantization_reference_within_its_bound(rows, k, n):
+    """The quantized-activation product (computed in torch, as the VNNI kernel does) against the
+    exact product, within the bound of the activation step; and against the float weights
+    within both steps' bounds (the weight step adds Σ_k |x|·scale/2). Runs on every CPU."""
+    x = _rows_of_mixed_ranges(rows, k, rows * 7 + k)
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(k))
+    q, scale = quantize_per_channel(w)
+    qx, d = quantize_activations_ref(x)
+    assert int(qx.abs().max()) <= 127
+    assert bool(((qx * d - x).abs() <= d / 2 + x.abs() * 2 ** -22).all())
+    got = int8_int8_linear_ref(x, q, scale)
+    exact = x.double() @ dequantize(q, scale).double().T
+    assert bool(((got - exact).abs() <= activation_bound(x, q, scale)).all())
+    weight_step = x.double().abs() @ (scale.double()[:, None] / 2).expand(n, k).T
+    assert bool(((got - x.double() @ w.double().T).abs() <= activation_bound(x, q, scale) + weight_step).all())
+
+
+@needs_vnni
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 16, 17, 40])
+@pytest.mark.parametrize(("k", "n"), [(70, 131), (577, 33), (15, 3), (1536, 50), (64, 7), (1, 5), (128, 66)])
+def test_int8_vnni_kernel_within_the_activation_quantization_bound(rows, k, n):
+    """The int8 × int8 kernel: K off multiples of 64 (its masked tail) and of 32 (a partial
+    activation block), N off multiples of 4 (its 4-row tiles), M across its 4-row groups:
+    within the activation step's bound of the double-precision product with the dequantized
+    weights, and equal, to float32 rounding, to the same quantization done in torch."""
+    kernels = cpu_kernels()
+    assert kernels.int8_vnni_enabled()
+    x = _rows_of_mixed_ranges(rows, k, rows * 1000 + k)
+    g = torch.Generator().manual_seed(n)
+    w, bias = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    q, scale = quantize_per_channel(w)
+    exact = x.double() @ dequantize(q, scale).double().T
+    bound = activation_bound(x, q, scale)
+    for y in (kernels.small_linear_int8(x, q, scale), torch.ops.pagedserve.int8_linear(x, q, scale, None)):
+        assert y.dtype == torch.float32 and y.shape == (rows, n)
+        assert bool(((y.double() - exact).abs() <= bound).all()), float(((y.double() - exact).abs() - bound).max())
+        assert_equals_the_reference(y, x, q, scale)
+    with_bias = torch.ops.pagedserve.int8_linear(x, q, scale, bias)
+    assert bool(((with_bias.double() - exact - bias.double()).abs() <= bound + 1e-5).all())
+
+
+@needs_vnni
+def test_int8_vnni_switch():
+    """`set_int8_vnni` selects the path for later calls and returns the previous choice."""
+    kernels = cpu_kernels()
+    x = _rows_of_mixed_ranges(2, 100, 1)
+    q, scale = quantize_per_channel(torch.randn(9, 100))
+    assert kernels.set_int8_vnni(False) is True
+    try:
+        assert not kernels.int8_vnni_enabled()
+        torch.testing.assert_close(kernels.small_linear_int8(x, q, scale), F.linear(x, dequantize(q, scale)),
+                                   rtol=RTOL, atol=ATOL)
+    finally:
+        assert kernels.set_int8_vnni(True) is False
+    assert_equals_the_reference(kernels.small_linear_int8(x, q, scale), x, q, scale)
 
 
 @needs_kernels
@@ -113,6 +247,9 @@ def test_int8_module_forward_equals_the_dequantized_linear(rows, with_kernels, m
     module = Int8Linear.from_linear(linear)
     x = torch.randn(rows, 67)
     expected = F.linear(x, dequantize(module.weight, module.weight_scale), linear.bias)
+    if with_kernels and rows <= quantization.INT8_KERNEL_MAX_ROWS and _vnni_on():
+        # the VNNI kernel's activations are int8 too: the same quantization done in torch
+        expected = int8_int8_linear_ref(x, module.weight, module.weight_scale, linear.bias.detach()).float()
     with torch.no_grad():
         torch.testing.assert_close(module(x), expected, rtol=RTOL, atol=ATOL)
         torch.testing.assert_close(module(x.view(1, rows, 67)), expected.view(1, rows, 45), rtol=RTOL, atol=ATOL)

@@ -13,8 +13,10 @@
 //    plain loops over the few rows, between the products, in scratch buffers kept from
 //    step to step (only the attention kernel's query and output are allocated per layer).
 //  - attention is the paged decode kernel of cpu_paged_attention.cpp.
-//  - int8 weights (`--quantization int8`): `linear_rows_int8` reads each int8 weight row once,
-//    widens 16 (AVX-512) or 8 (AVX2) of them to float in registers, and applies them to up
+//  - int8 weights (`--quantization int8`): `linear_rows_int8` reads each int8 weight row once.
+//    Where AVX-512 VNNI is compiled in it runs `linear_rows_int8_vnni` (cpu_int8_gemv.cpp:
+//    the activations quantized to int8 per block of 32, int8 × int8 products). Otherwise it
+//    widens 16 (AVX-512) or 8 (AVX2) weights to float in registers, and applies them to up
 //    to 8 rows of x at a time with float FMAs; the row's scale multiplies the sum. A quarter
 //    of the bytes of the float32 row, for the same arithmetic. Plain C++ where neither
 //    instruction set is compiled in (the build is -march=native).
@@ -36,6 +38,9 @@
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor seq_lens, double scale);
+bool int8_vnni_enabled();
+void linear_rows_int8_vnni(const float* x, int64_t m, int64_t in, const int8_t* w, const float* scale,
+                           const float* bias, int64_t out, float* y);
 
 namespace {
 
@@ -121,6 +126,7 @@ inline void dot_rows_int8(const int8_t* w, const float* x, int64_t in, float* s)
 // the block before moving on: each weight row comes from memory once per call, whatever m.
 void linear_rows_int8(const float* x, int64_t m, int64_t in, const int8_t* w, const float* scale, const float* bias,
                       int64_t out, float* y) {
+  if (int8_vnni_enabled()) return linear_rows_int8_vnni(x, m, in, w, scale, bias, out, y);
   constexpr int64_t kRows = 8, kBlock = 64;
   at::parallel_for(0, out, 32, [&](int64_t begin, int64_t end) {
     float s[kRows];
