@@ -47,6 +47,7 @@ write_kv = kv_store_ref
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+    quantized_kv = True  # int8 and fp8 rows, through reference_ops (the C++ kernel: int8; see cpu_attention.py)
 
     def prepare(self, metadata: AttentionMetadata, block_size: int, gather_decodes: bool = True) -> None:
         device = metadata.slot_mapping.device

@@ -44,6 +44,14 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
         self.kernels = select_kernels(config.attention_backend, self.device)  # chosen once, here
+        if self.kv_cache_dtype != self.dtype and not self.kernels.attention.quantized_kv:
+            if config.attention_backend != "auto":
+                raise InvalidParameterError("kv_cache_dtype", f"the {self.kernels.attention.name} attention backend "
+                                            f"cannot read an {config.kv_cache_dtype} KV cache; use --attention-backend "
+                                            "torch or --kv-cache-dtype auto")
+            logger.warning("the %s attention backend cannot read an %s KV cache: every step runs the torch backend",
+                           self.kernels.attention.name, config.kv_cache_dtype)
+            self.kernels = select_kernels("torch", self.device)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # what the kernels' self-check cached is not the KV cache's to lose
         self.attention_backend = self.kernels.attention

@@ -172,3 +172,29 @@ def test_the_fused_step_writes_and_reads_int8_rows_as_the_eager_forward(tiny_che
                                        dequantize_kv_rows(expected, head_dim, torch.float32), rtol=0, atol=0.02)
         torch.testing.assert_close(hidden, eager, rtol=1e-3, atol=1e-3)
         torch.testing.assert_close(fused.logits(hidden), runner.model.compute_logits(eager), rtol=1e-3, atol=1e-3)
+
+
+def test_a_backend_that_cannot_read_quantized_rows_is_refused_or_replaced(tiny_checkpoint, monkeypatch, caplog):
+    """Named explicitly: a clear error. Chosen by `auto`: the torch backend runs instead (logged)."""
+    from pagedserve.common.contracts import Kernels
+    from pagedserve.kernels import selector
+    from pagedserve.kernels.torch_attention import TorchAttentionBackend
+    from pagedserve.worker import model_runner
+
+    class FloatOnlyBackend(TorchAttentionBackend):
+        name = "float-only"
+        quantized_kv = False
+
+    def select(name, device):
+        if name == "torch":
+            return selector.select_kernels(name, device)
+        return Kernels(FloatOnlyBackend(), selector.TorchOps())
+
+    monkeypatch.setattr(model_runner, "select_kernels", select)
+    model = str(tiny_checkpoint("llama-gqa"))
+    with pytest.raises(InvalidParameterError, match="float-only attention backend cannot read an? int8 KV cache"):
+        LLM(model, kv_cache_memory=1 << 22, kv_cache_dtype="int8", attention_backend="cpu")
+    llm = LLM(model, kv_cache_memory=1 << 22, kv_cache_dtype="int8")
+    assert llm.engine.runner.attention_backend.name == "torch"
+    assert "every step runs the torch backend" in caplog.text
+    assert LLM(model, kv_cache_memory=1 << 22).engine.runner.attention_backend.name == "float-only"  # float: kept
