@@ -82,16 +82,22 @@ class TorchAttentionBackend(AttentionBackend):
             groups.append(_PrefillGroup(index, 0, len(starts), q_len, None, None))
         metadata.backend_state = _TorchPlan(decode_blocks, decode_mask, groups)
 
-    def forward(self, query, key, value, kv_cache, metadata, scale):
-        if kv_cache.dtype != key.dtype:
-            # quantized once: the rows stored, and the values attended by fresh prefills
-            key_rows, value_rows = quantize_kv_rows(key, kv_cache.dtype), quantize_kv_rows(value, kv_cache.dtype)
-            write_kv(key_rows, value_rows, kv_cache, metadata.slot_mapping)
-            head_dim = key.shape[-1]
-            key = dequantize_kv_rows(key_rows, head_dim, query.dtype)
-            value = dequantize_kv_rows(value_rows, head_dim, query.dtype)
-        else:
+    def store(self, key, value, kv_cache, metadata):
+        """Store the step's K/V at their slots; returns the K/V fresh prefill chunks attend to:
+        as given, or from a quantized cache, as its rows read back (dequantized)."""
+        if kv_cache.dtype == key.dtype:
             write_kv(key, value, kv_cache, metadata.slot_mapping)
+            return key, value
+        # quantized once: the rows stored, and the values attended by fresh prefills
+        key_rows, value_rows = quantize_kv_rows(key, kv_cache.dtype), quantize_kv_rows(value, kv_cache.dtype)
+        write_kv(key_rows, value_rows, kv_cache, metadata.slot_mapping)
+        if not metadata.backend_state.prefill_groups:
+            return key, value  # decodes only: they read the cache
+        head_dim = key.shape[-1]
+        return dequantize_kv_rows(key_rows, head_dim, key.dtype), dequantize_kv_rows(value_rows, head_dim, key.dtype)
+
+    def forward(self, query, key, value, kv_cache, metadata, scale):
+        key, value = self.store(key, value, kv_cache, metadata)
         out = torch.empty_like(query)
         nd = metadata.num_decodes
         if nd:

@@ -139,3 +139,23 @@ def test_kv_store_ref_writes_quantized_rows_at_their_slots():
     assert torch.equal(flat[0, slots], quantize_kv_rows(key, torch.int8))
     assert torch.equal(flat[1, slots], quantize_kv_rows(value, torch.int8))
     assert flat[:, [i for i in range(20) if i not in (0, 13, 19)]].eq(0).all()
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("rows, heads, head_dim", [(1, 1, 4), (7, 3, 20), (33, 2, 64)])
+def test_the_cpu_store_quantizes_exactly_as_the_reference(rows, heads, head_dim):
+    """store_kv_int8 (C++, the CPU backend's store) writes the very bytes kv_store_ref writes,
+    ties and zero rows included, and nothing outside its slots."""
+    torch.manual_seed(rows)
+    key, value = torch.randn(rows, heads, head_dim) * 3, torch.randn(rows, heads, head_dim)
+    key[0] = 0.0  # a zero row: scale 0
+    value[-1, 0, :2] = torch.tensor([127.0, 0.5])  # a tie: 0.5 / (127 / 127) rounds to even (0)
+    blocks, block_size = rows // 4 + 2, 4
+    slots = torch.randperm(blocks * block_size)[:rows]
+    expected = torch.zeros(2, blocks, block_size, heads, head_dim + 4, dtype=torch.int8)
+    kv_store_ref(key, value, expected, slots)
+    cache = torch.zeros_like(expected)
+    cpu_kernels().store_kv_int8(key, value, cache[0], cache[1], slots)
+    assert torch.equal(cache, expected)
+    with pytest.raises(RuntimeError, match="slot beyond the cache"):
+        cpu_kernels().store_kv_int8(key[:1], value[:1], cache[0], cache[1], torch.tensor([blocks * block_size]))

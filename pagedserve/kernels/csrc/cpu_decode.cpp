@@ -14,7 +14,7 @@
 //    step to step (only the attention kernel's query and output are allocated per layer).
 //  - attention is the paged decode kernel of cpu_paged_attention.cpp.
 //  - an int8 KV cache (`--kv-cache-dtype int8`): each new K/V row is quantized as it is
-//    stored (`store_int8_row`: head_dim int8 values, then the row's float32 scale, as
+//    stored (`quantize_kv_row_int8`: head_dim int8 values, then the row's float32 scale, as
 //    kernels/reference_ops.quantize_kv_rows), and the attention kernel reads the rows so.
 //  - int8 weights (`--quantization int8`): `linear_rows_int8` reads each int8 weight row once,
 //    widens 16 (AVX-512) or 8 (AVX2) of them to float in registers, and applies them to up
@@ -39,6 +39,7 @@
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor seq_lens, double scale);
+void quantize_kv_row_int8(const float* x, int64_t n, int8_t* row);  // cpu_paged_attention.cpp
 
 namespace {
 
@@ -175,22 +176,6 @@ void rotate(float* x, int64_t heads, int64_t head_dim, const float* cos, const f
       v[i + half] = b * cos[i + half] + a * sin[i + half];
     }
   }
-}
-
-// One int8 KV cache row from n floats (kernels/reference_ops.quantize_kv_rows): scale =
-// max|x| / 127, round-to-nearest-even(x / scale) in [-127, 127] (all 0 when the scale is 0),
-// then the scale's 4 bytes. Plain loops: n is a head_dim, and the compiler vectorizes them.
-inline void store_int8_row(const float* x, int64_t n, int8_t* row) {
-  float amax = 0.f;
-  for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
-  const float scale = amax / 127.f;
-  if (scale > 0.f) {
-    for (int64_t i = 0; i < n; ++i)
-      row[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(x[i] / scale))));
-  } else {
-    std::memset(row, 0, n);
-  }
-  std::memcpy(row + n, &scale, sizeof(scale));
 }
 
 using Clock = std::chrono::steady_clock;
@@ -403,8 +388,8 @@ class FusedDecoder {
           int8_t* kr = reinterpret_cast<int8_t*>(k_cache + slot[r] * slot_bytes);
           int8_t* vr = reinterpret_cast<int8_t*>(v_cache + slot[r] * slot_bytes);
           for (int64_t h = 0; h < num_kv_heads_; ++h) {
-            store_int8_row(k + h * head_dim_, head_dim_, kr + h * width);
-            store_int8_row(v + h * head_dim_, head_dim_, vr + h * width);
+            quantize_kv_row_int8(k + h * head_dim_, head_dim_, kr + h * width);
+            quantize_kv_row_int8(v + h * head_dim_, head_dim_, vr + h * width);
           }
         } else if (slot[r] >= 0) {
           std::memcpy(k_cache + slot[r] * slot_bytes, k, kv_size_ * sizeof(float));

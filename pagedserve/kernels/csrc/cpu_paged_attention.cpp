@@ -171,6 +171,60 @@ void decode_attention(const T* q, const C* k_cache, const C* v_cache, const int3
 
 }  // namespace
 
+// One int8 KV cache row from n floats, exactly as kernels/reference_ops.quantize_kv_rows:
+// scale = max|x| / 127, round-half-even(x / scale) in [-127, 127] (all 0 when the scale is 0),
+// then the scale's 4 bytes. Compiled without -ffast-math, which would turn the divisions into
+// products by a reciprocal and round some values the other way than the reference.
+#pragma GCC push_options
+#pragma GCC optimize("no-fast-math")
+void quantize_kv_row_int8(const float* x, int64_t n, int8_t* row) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float scale = amax / 127.f;
+  if (scale > 0.f) {
+    for (int64_t i = 0; i < n; ++i)
+      row[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(x[i] / scale))));
+  } else {
+    std::memset(row, 0, n);
+  }
+  std::memcpy(row + n, &scale, sizeof(scale));
+}
+#pragma GCC pop_options
+
+// key, value float32 [n, num_kv_heads, head_dim] → int8 rows at slots[i] of k_cache, v_cache
+// [num_blocks, block_size, num_kv_heads, head_dim + 4] (what kv_store_ref does, in one pass
+// instead of a dozen torch ops per layer).
+void store_kv_int8(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
+                   torch::Tensor slots) {
+  TORCH_CHECK(key.scalar_type() == at::kFloat && value.scalar_type() == at::kFloat, "store_kv_int8: float32 K/V");
+  TORCH_CHECK(k_cache.scalar_type() == at::kChar && v_cache.scalar_type() == at::kChar && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous() && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "store_kv_int8: contiguous int8 caches [blocks, block_size, kv_heads, head_dim + 4]");
+  TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes() && key.size(1) == k_cache.size(2) &&
+                  k_cache.size(3) == key.size(2) + 4, "store_kv_int8: K/V [n, kv_heads, head_dim] for these rows");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == key.size(0),
+              "store_kv_int8: one int64 slot per row");
+  auto kc = key.contiguous();
+  auto vc = value.contiguous();
+  auto sc = slots.contiguous();
+  const int64_t n = kc.size(0), heads = kc.size(1), head_dim = kc.size(2), width = head_dim + 4;
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t* sp = sc.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(sp[i] >= 0 && sp[i] < num_slots, "store_kv_int8: slot beyond the cache");
+  const float* kp = kc.data_ptr<float>();
+  const float* vp = vc.data_ptr<float>();
+  int8_t* kd = k_cache.data_ptr<int8_t>();
+  int8_t* vd = v_cache.data_ptr<int8_t>();
+  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      for (int64_t h = 0; h < heads; ++h) {
+        const int64_t src = (i * heads + h) * head_dim, dst = (sp[i] * heads + h) * width;
+        quantize_kv_row_int8(kp + src, head_dim, kd + dst);
+        quantize_kv_row_int8(vp + src, head_dim, vd + dst);
+      }
+  });
+}
+
 // q [num_seqs, num_heads, head_dim]; k_cache, v_cache [num_blocks, block_size, num_kv_heads,
 // width]: width = head_dim in q's dtype, or head_dim + 4 int8 (the values, then the row's
 // float32 scale); block_tables [num_seqs, max_blocks] int32; seq_lens [num_seqs] int32.
