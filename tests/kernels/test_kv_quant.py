@@ -159,3 +159,24 @@ def test_the_cpu_store_quantizes_exactly_as_the_reference(rows, heads, head_dim)
     assert torch.equal(cache, expected)
     with pytest.raises(RuntimeError, match="slot beyond the cache"):
         cpu_kernels().store_kv_int8(key[:1], value[:1], cache[0], cache[1], torch.tensor([blocks * block_size]))
+
+
+@pytest.mark.parametrize("shape", SHAPES[:2], ids=lambda s: f"q{s[0]}-ctx{s[1]}-d{s[4]}")
+def test_the_torch_backend_reads_and_writes_fp8_rows(shape):
+    """The CPU twin of the GPU's fp8_e4m3 cache (the engine allows it on CUDA only): the
+    torch backend stores saturated fp8 rows and attends over exactly their values (1e-5)."""
+    query_lens, context_lens, heads, kv_heads, head_dim, block_size = shape
+    query, key, value, float_cache, metadata = build_batch(query_lens, context_lens, heads, kv_heads, head_dim,
+                                                           block_size, torch.float32)
+    key[0, 0, 0] = 1000.0  # saturates to 448
+    fp8 = torch.float8_e4m3fn
+    kv_cache = float_cache.to(fp8)
+    expected = dense_reference(query, key.clamp(-448, 448).to(fp8).float(), value.to(fp8).float(),
+                               kv_cache.float(), metadata, block_size, head_dim**-0.5)
+    backend = TorchAttentionBackend()
+    backend.prepare(metadata, block_size)
+    out = backend.forward(query, key, value, kv_cache, metadata, head_dim**-0.5)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+    stored = kv_cache[0].view(-1, kv_heads, head_dim)[metadata.slot_mapping]
+    assert torch.equal(stored.view(torch.uint8), quantize_kv_rows(key, fp8).view(torch.uint8))
+    assert stored[0, 0, 0].item() == FP8_E4M3_MAX
