@@ -91,6 +91,7 @@ def float_and_int8(tiny_checkpoint):
     float_ids = run_all(LLM(model, **common), prompts)
     int8_llm = LLM(model, kv_cache_dtype="int8", **common)
     assert int8_llm.engine.runner.kv_caches[0].dtype == torch.int8
+    assert int8_llm.engine.kv_manager.kv_dtype == "int8"  # in its hashes, and in the heartbeat (WorkerInfo.kv_dtype)
     return model, prompts, float_ids, run_all(int8_llm, prompts)
 
 
