@@ -9,6 +9,10 @@ total tok/s), and one request decoding 32 tokens after a `--context`-token promp
 decode tok/s, where the KV read is largest). Then it prints the KV bytes per token and
 blocks each pool got, and the greedy ids of a few chat prompts on both (agreement: tokens
 equal up to each sequence's first difference).
+
+`--kernel-only`: instead, the C++ decode attention kernel alone on the default model's shape
+(9 heads, 3 KV heads, head_dim 64), float32 against int8 rows, min of 30 calls each,
+interleaved, per batch size and context.
 """
 
 from __future__ import annotations
@@ -54,6 +58,35 @@ def _long_decode_tok_s(llm, context: int, tokens: int, seed: int) -> float:
     return tokens / (time.perf_counter() - started)
 
 
+def kernel_only(threads: int) -> None:
+    import torch
+
+    from pagedserve.kernels.cpu_attention import cpu_kernels
+    from pagedserve.kernels.reference_ops import quantize_kv_rows
+
+    torch.set_num_threads(threads)
+    kernels = cpu_kernels()
+    assert kernels is not None, "the CPU kernels could not be built"
+    print(f"paged_decode_attention, 9 heads / 3 KV heads / head_dim 64, block 16, {threads} thread(s), "
+          "min of 30 calls, microseconds")
+    print(f"{'batch':>5} {'context':>7} {'float32':>9} {'int8':>9} {'int8/float32':>13}")
+    for batch, context in ((1, 1024), (1, 4096), (16, 1024), (64, 512)):
+        blocks = -(-context // 16)
+        cache = torch.randn(2, batch * blocks, 16, 3, 64)
+        int8_cache = quantize_kv_rows(cache, torch.int8)
+        tables = torch.randperm(batch * blocks, dtype=torch.int32).view(batch, blocks)
+        lens = torch.full((batch,), context, dtype=torch.int32)
+        q = torch.randn(batch, 9, 64)
+        best = {"float32": float("inf"), "int8": float("inf")}
+        for _ in range(30):
+            for name, kv in (("float32", cache), ("int8", int8_cache)):
+                started = time.perf_counter()
+                kernels.paged_decode_attention(q, kv[0], kv[1], tables, lens, 0.125)
+                best[name] = min(best[name], time.perf_counter() - started)
+        print(f"{batch:5} {context:7} {best['float32'] * 1e6:9.1f} {best['int8'] * 1e6:9.1f} "
+              f"{best['int8'] / best['float32']:13.2f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
@@ -61,7 +94,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--context", type=int, default=1024, help="prompt tokens before the batch-1 decode")
     parser.add_argument("--kv-cache-memory", type=int, default=1 << 30)
+    parser.add_argument("--kernel-only", action="store_true", help="only the attention kernel, float32 against int8")
     args = parser.parse_args(argv)
+    if args.kernel_only:
+        kernel_only(args.threads)
+        return 0
 
     import torch
 

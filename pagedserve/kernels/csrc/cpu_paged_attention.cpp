@@ -8,7 +8,8 @@
 // The cache is the model's dtype, or int8 rows (kernels/reference_ops.py): head_dim int8
 // values and then the row's float32 scale, a row being head_dim + 4 bytes wide. An int8 key's
 // scale multiplies its score after the dot product, and a value's scale its probability
-// before the sum, so the loops stay the float ones with the int8 widened on load.
+// before the sum, so the loops stay the float ones with the int8 widened on load; under GQA
+// a block is widened to float32 once for every query head that shares it.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -75,6 +76,10 @@ inline void block_scores(const float* qg, const T* kp, int64_t token_stride, int
 // One pass over the context, a block at a time, with an online softmax: each block's keys
 // and values are read once, while they are in L1, for every query head of the group.
 // T: the query's and output's type; C: the cache's (T, or int8 rows of `width` bytes).
+// An int8 block shared by several query heads (GQA) is first widened to float32 with its
+// scales applied, so each row is converted once, not once per query head; with one query
+// head per KV head the rows are read as int8, and the scales multiply the scores and the
+// probabilities instead.
 template <typename T, typename C>
 void decode_attention(const T* q, const C* k_cache, const C* v_cache, const int32_t* block_tables,
                       const int32_t* seq_lens, T* out, int64_t num_seqs, int64_t num_heads,
@@ -84,9 +89,66 @@ void decode_attention(const T* q, const C* k_cache, const C* v_cache, const int3
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * width;  // between positions in a block
   const int64_t block_stride = block_size * token_stride;
+  const bool widen = kInt8 && group > 1;
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * head_dim), acc(group * head_dim), probs(group * block_size), mx(group), sum(group);
     std::vector<float> k_scale(kInt8 ? block_size : 0), v_scale(kInt8 ? block_size : 0);
+    std::vector<float> kf(widen ? block_size * head_dim : 0), vf(widen ? block_size * head_dim : 0);
+    // One block of n rows, `stride` elements apart; ks/vs: the int8 rows' scales (null: none).
+    auto attend_block = [&](const auto* kp, const auto* vp, int64_t stride, const float* ks, const float* vs,
+                            int64_t n, bool first) {
+      for (int64_t g = 0; g < group; ++g) {
+        float* pg = probs.data() + g * block_size;
+        block_scores(qf.data() + g * head_dim, kp, stride, n, head_dim, pg);
+        if (ks)
+          for (int64_t t = 0; t < n; ++t) pg[t] *= ks[t];
+        float block_max = pg[0];
+        for (int64_t t = 1; t < n; ++t) block_max = std::max(block_max, pg[t]);
+        // no infinities: the build uses -ffast-math, which assumes there are none
+        const float new_max = first ? block_max : std::max(mx[g], block_max);
+        const float rescale = first ? 0.f : std::exp(mx[g] - new_max);
+        float block_sum = 0.f;
+#pragma omp simd reduction(+ : block_sum)
+        for (int64_t t = 0; t < n; ++t) {
+          pg[t] = std::exp(pg[t] - new_max);
+          block_sum += pg[t];
+        }
+        sum[g] = sum[g] * rescale + block_sum;
+        mx[g] = new_max;
+        if (vs)  // the value's scale rides on its probability (the sum is taken)
+          for (int64_t t = 0; t < n; ++t) pg[t] *= vs[t];
+        float* ag = acc.data() + g * head_dim;
+        if (rescale != 1.f) {
+#pragma omp simd
+          for (int64_t i = 0; i < head_dim; ++i) ag[i] *= rescale;
+        }
+      }
+      // four values per pass: one load and store of the accumulator per four FMAs
+      int64_t t = 0;
+      for (; t + 4 <= n; t += 4) {
+        const auto* v0 = vp + t * stride;
+        const auto* v1 = v0 + stride;
+        const auto* v2 = v1 + stride;
+        const auto* v3 = v2 + stride;
+        for (int64_t g = 0; g < group; ++g) {
+          const float* pg = probs.data() + g * block_size + t;
+          const float p0 = pg[0], p1 = pg[1], p2 = pg[2], p3 = pg[3];
+          float* ag = acc.data() + g * head_dim;
+#pragma omp simd
+          for (int64_t i = 0; i < head_dim; ++i)
+            ag[i] += p0 * load(v0[i]) + p1 * load(v1[i]) + p2 * load(v2[i]) + p3 * load(v3[i]);
+        }
+      }
+      for (; t < n; ++t) {
+        const auto* vt = vp + t * stride;
+        for (int64_t g = 0; g < group; ++g) {
+          const float p = probs[g * block_size + t];
+          float* ag = acc.data() + g * head_dim;
+#pragma omp simd
+          for (int64_t i = 0; i < head_dim; ++i) ag[i] += p * load(vt[i]);
+        }
+      }
+    };
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task / num_kv_heads, h = task % num_kv_heads;
       const int64_t len = seq_lens[s];
@@ -107,57 +169,25 @@ void decode_attention(const T* q, const C* k_cache, const C* v_cache, const int3
             k_scale[t] = row_scale(kp + t * token_stride, head_dim);
             v_scale[t] = row_scale(vp + t * token_stride, head_dim);
           }
-        }
-        for (int64_t g = 0; g < group; ++g) {
-          float* pg = probs.data() + g * block_size;
-          block_scores(qf.data() + g * head_dim, kp, token_stride, n, head_dim, pg);
-          if constexpr (kInt8)
-            for (int64_t t = 0; t < n; ++t) pg[t] *= k_scale[t];
-          float block_max = pg[0];
-          for (int64_t t = 1; t < n; ++t) block_max = std::max(block_max, pg[t]);
-          // no infinities: the build uses -ffast-math, which assumes there are none
-          const float new_max = start == 0 ? block_max : std::max(mx[g], block_max);
-          const float rescale = start == 0 ? 0.f : std::exp(mx[g] - new_max);
-          float block_sum = 0.f;
-#pragma omp simd reduction(+ : block_sum)
-          for (int64_t t = 0; t < n; ++t) {
-            pg[t] = std::exp(pg[t] - new_max);
-            block_sum += pg[t];
-          }
-          sum[g] = sum[g] * rescale + block_sum;
-          mx[g] = new_max;
-          if constexpr (kInt8)  // the value's scale rides on its probability (the sum is taken)
-            for (int64_t t = 0; t < n; ++t) pg[t] *= v_scale[t];
-          float* ag = acc.data() + g * head_dim;
-          if (rescale != 1.f) {
+          if (widen) {
+            for (int64_t t = 0; t < n; ++t) {
+              const int8_t* kr = kp + t * token_stride;
+              const int8_t* vr = vp + t * token_stride;
+              float* kd = kf.data() + t * head_dim;
+              float* vd = vf.data() + t * head_dim;
+              const float ksc = k_scale[t], vsc = v_scale[t];
 #pragma omp simd
-            for (int64_t i = 0; i < head_dim; ++i) ag[i] *= rescale;
+              for (int64_t i = 0; i < head_dim; ++i) {
+                kd[i] = load(kr[i]) * ksc;
+                vd[i] = load(vr[i]) * vsc;
+              }
+            }
+            attend_block(kf.data(), vf.data(), head_dim, nullptr, nullptr, n, start == 0);
+          } else {
+            attend_block(kp, vp, token_stride, k_scale.data(), v_scale.data(), n, start == 0);
           }
-        }
-        // four values per pass: one load and store of the accumulator per four FMAs
-        int64_t t = 0;
-        for (; t + 4 <= n; t += 4) {
-          const C* v0 = vp + t * token_stride;
-          const C* v1 = v0 + token_stride;
-          const C* v2 = v1 + token_stride;
-          const C* v3 = v2 + token_stride;
-          for (int64_t g = 0; g < group; ++g) {
-            const float* pg = probs.data() + g * block_size + t;
-            const float p0 = pg[0], p1 = pg[1], p2 = pg[2], p3 = pg[3];
-            float* ag = acc.data() + g * head_dim;
-#pragma omp simd
-            for (int64_t i = 0; i < head_dim; ++i)
-              ag[i] += p0 * load(v0[i]) + p1 * load(v1[i]) + p2 * load(v2[i]) + p3 * load(v3[i]);
-          }
-        }
-        for (; t < n; ++t) {
-          const C* vt = vp + t * token_stride;
-          for (int64_t g = 0; g < group; ++g) {
-            const float p = probs[g * block_size + t];
-            float* ag = acc.data() + g * head_dim;
-#pragma omp simd
-            for (int64_t i = 0; i < head_dim; ++i) ag[i] += p * load(vt[i]);
-          }
+        } else {
+          attend_block(kp, vp, token_stride, nullptr, nullptr, n, start == 0);
         }
       }
       for (int64_t g = 0; g < group; ++g) {
