@@ -7,8 +7,14 @@
 - decode attention, batch 64, contexts 1k-8k, Llama-3-8B heads (32 query, 8 KV, head_dim
   128), bf16: bytes of K/V read per second against that ceiling (target >= 70%);
 - prefill attention, fresh causal chunks: TFLOP/s against torch's scaled_dot_product_attention
-  on the same shapes (target >= 0.8x).
-Every timed case is first checked against the torch backend.
+  on the same shapes (target >= 0.8x);
+- decode attention over quantized KV caches (int8 rows with their scale, float8_e4m3fn rows;
+  float8 on sm_89+ only), same batches: K/V bytes read per second, and the time against the
+  bf16 cache's;
+- the w8a16 GEMM (int8 weights, bf16 activations) on Llama-3-8B's projections at M = 1-256:
+  TFLOP/s, GB/s of weight + activation traffic, and its time against torch's bf16 matmul
+  (its "max |diff|" is relative to the output's largest value).
+Every timed case is first checked against a torch reference.
 
 The end-to-end figures (a Llama-3-8B-shaped model against transformers) are
 pagedserve.bench.gpu_e2e's.
@@ -149,8 +155,82 @@ def main() -> int:
         ok &= diff < 5e-2
         print(f"{f'prefill {n_seq}x{length}':34}{diff:12.2e}{seconds * 1e3:10.3f}"
               f"{f'{flops / seconds / 1e12:.1f} TF/s = {sdpa_seconds / seconds:.2f}x SDPA':>22}")
+    ok &= quantized_decode_cases(device, args.smoke, contexts, batch, heads, kv_heads, head_dim, block_size, scale,
+                                 repeat, copy_bw)
+    ok &= gemm_cases(device, args.smoke, repeat)
     print("all checks passed" if ok else "CHECK FAILED: the Triton kernel disagrees with the torch backend")
     return 0 if ok else 1
+
+
+def quantized_decode_cases(device, smoke, contexts, batch, heads, kv_heads, head_dim, block_size, scale, repeat,
+                           copy_bw) -> bool:
+    """Decode attention over int8 and float8_e4m3fn caches, checked against the torch
+    backend's decode attention over the same cache dequantized to bf16."""
+    from pagedserve.kernels import triton_ops
+    from pagedserve.kernels.reference_ops import dequantize_kv_rows, quantize_kv_rows
+    from pagedserve.kernels.torch_attention import TorchAttentionBackend
+    from pagedserve.kernels.triton_attention import TritonAttentionBackend, paged_attention
+
+    dtype, ok = torch.bfloat16, True
+    cache_dtypes = [torch.int8, torch.float8_e4m3fn]
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        print("float8_e4m3fn KV cache: skipped, this GPU has no float8 (sm_89+)")
+        cache_dtypes.remove(torch.float8_e4m3fn)
+    for ctx in contexts:
+        q, _, _, cache, meta = _batch([1] * batch, [ctx] * batch, heads, kv_heads, head_dim, block_size, dtype, device)
+        backend = TritonAttentionBackend()
+        backend.prepare(meta, block_size)
+        out = torch.empty_like(q)
+        float_seconds = _timed(lambda q=q, cache=cache, meta=meta, out=out: paged_attention(q, cache, meta, scale, out),
+                               device, repeat)
+        for cache_dtype in cache_dtypes:
+            qcache = quantize_kv_rows(cache, cache_dtype)
+            triton_ops.check_kv_cache_device(qcache)
+            reference = TorchAttentionBackend()
+            reference.prepare(meta, block_size)
+            want = reference.attend_decodes(q, dequantize_kv_rows(qcache, head_dim, dtype), meta, scale).float()
+            backend.prepare(meta, block_size)  # the reference's prepare replaced the plan
+            got = paged_attention(q, qcache, meta, scale, torch.empty_like(q)).float()
+            diff = (got - want).abs().max().item()
+            seconds = _timed(lambda q=q, c=qcache, meta=meta, out=out: paged_attention(q, c, meta, scale, out),
+                             device, repeat)
+            kv_bytes = 2 * batch * ctx * kv_heads * qcache.shape[-1] * qcache.element_size()
+            bw = kv_bytes / seconds
+            ok &= diff < 5e-2
+            name = "int8" if cache_dtype == torch.int8 else "fp8"
+            print(f"{f'decode kv-{name} b={batch} ctx={ctx}':34}{diff:12.2e}{seconds * 1e3:10.3f}"
+                  f"{f'{bw / 1e9:.0f} GB/s = {100 * bw / copy_bw:.0f}%, {float_seconds / seconds:.2f}x bf16':>34}")
+    return ok
+
+
+#: Llama-3-8B's linear layers: (name, out features N, in features K)
+LLAMA3_8B_LINEARS = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
+
+
+def gemm_cases(device, smoke, repeat) -> bool:
+    """The w8a16 GEMM against torch's bf16 matmul of the dequantized weight, checked against
+    the float32 reference (relative to the output's largest value)."""
+    from pagedserve.kernels.triton_int8 import w8a16_linear, w8a16_linear_ref
+
+    shapes, rows = ([("tiny", 48, 72)], [1, 17]) if smoke else (LLAMA3_8B_LINEARS, [1, 2, 4, 8, 16, 32, 64, 128, 256])
+    dtype, ok = torch.bfloat16, True
+    g = torch.Generator().manual_seed(0)
+    for name, n, k in shapes:
+        w = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8).to(device)
+        scale = (torch.rand(n, generator=g) * 0.05 / 127).to(device)
+        w_bf16 = (w.float() * scale[:, None]).to(dtype)  # what torch's path multiplies by
+        for m in rows:
+            x = torch.randn(m, k, generator=g).to(device, dtype)
+            want = w8a16_linear_ref(x, w, scale).float()
+            rel = ((w8a16_linear(x, w, scale).float() - want).abs().max() / want.abs().max()).item()
+            seconds = _timed(lambda x=x, w=w, s=scale: w8a16_linear(x, w, s), device, repeat)
+            torch_seconds = _timed(lambda x=x, wb=w_bf16: torch.nn.functional.linear(x, wb), device, repeat)
+            traffic = n * k + 4 * n + 2 * m * (k + n)  # int8 weight, scales, bf16 x and y
+            ok &= rel < 1e-2
+            figure = (f"{2 * m * n * k / seconds / 1e12:.2f} TF/s {traffic / seconds / 1e9:.0f} GB/s, "
+                      f"{torch_seconds / seconds:.2f}x bf16")
+            print(f"{f'w8a16 {name} M={m} N={n} K={k}':34}{rel:12.2e}{seconds * 1e3:10.3f}{figure:>34}")
+    return ok
 
 
 if __name__ == "__main__":

@@ -37,7 +37,8 @@ from typing import Any
 import torch
 
 from pagedserve.common.contracts import AttentionMetadata
-from pagedserve.kernels import triton_attention, triton_ops
+from pagedserve.kernels import triton_attention, triton_int8, triton_ops
+from pagedserve.kernels.reference_ops import kv_row_width
 
 triton = triton_ops.triton
 
@@ -51,7 +52,8 @@ _COMPILED_CONSTANTS = {"DOT_FP32": False}  # the interpreter widens bf16 dots to
 _LAUNCH_OPTIONS = ("num_warps", "num_stages")
 
 _TYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32",
-               torch.int64: "i64", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1"}
+               torch.int64: "i64", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1",
+               torch.float8_e4m3fn: "fp8e4nv"}
 
 
 @dataclass
@@ -96,7 +98,7 @@ class _Recorder:
         return record
 
 
-_KERNEL_MODULES = (triton_ops, triton_attention)
+_KERNEL_MODULES = (triton_ops, triton_attention, triton_int8)
 
 
 @contextlib.contextmanager
@@ -241,9 +243,11 @@ HEAD_LAYOUTS = [
 ]
 
 
-def _attention_batch(kind: str, heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype):
+def _attention_batch(kind: str, heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
+                     cache_dtype: torch.dtype | None = None):
     """A small batch of the given kind: 'mixed' (decodes + prefill chunks), 'decode'
-    (decode-only, one pass), 'graph' (the decode plan a CUDA graph captures: fixed splits)."""
+    (decode-only, one pass), 'graph' (the decode plan a CUDA graph captures: fixed splits).
+    The KV cache is in `dtype`, or quantized to `cache_dtype` (int8 or float8_e4m3fn rows)."""
     query_lens, seq_lens = {"mixed": ([1, 1, 20, 37], [90, 3, 20, 60]),
                             "decode": ([1] * 4, [90, 3, 40, 60]),
                             "graph": ([1] * 4, [90, 3, 40, 60])}[kind]
@@ -263,14 +267,28 @@ def _attention_batch(kind: str, heads: int, kv_heads: int, head_dim: int, block_
         backend.prepare(metadata, block_size)
     query = torch.empty(n, heads, head_dim, dtype=dtype)
     key = torch.empty(n, kv_heads, head_dim, dtype=dtype)
-    kv_cache = torch.empty(2, next_block, block_size, kv_heads, head_dim, dtype=dtype)
+    cache_dtype = cache_dtype or dtype
+    kv_cache = torch.empty(2, next_block, block_size, kv_heads, kv_row_width(head_dim, cache_dtype), dtype=cache_dtype)
     return backend, query, key, kv_cache, metadata
 
 
+#: KV caches: None (the model's dtype), and the quantized ones (reference_ops' row layout)
+KV_CACHE_DTYPES = (None, torch.int8, torch.float8_e4m3fn)
+#: rows of x for the w8a16 GEMM: a decode step, a small batch, a prefill (its three tile sizes)
+GEMM_ROWS = (1, 32, 256)
+#: the K splits recorded for a decode step's GEMM (any count above 1 compiles the same code)
+GEMM_SPLIT_K = 4
+#: float8_e4m3fn needs sm_89 or later (Triton refuses the type below); sm_80 gets int8 only
+FP8_MIN_ARCH = 89
+
+
 def engine_launches(dtypes=(torch.bfloat16, torch.float16, torch.float32), block_sizes=(16, 32), layouts=HEAD_LAYOUTS,
-                    kinds=("mixed", "decode", "graph")) -> list[tuple[str, Launch]]:
+                    kinds=("mixed", "decode", "graph"), kv_cache_dtypes=KV_CACHE_DTYPES,
+                    gemm_dtypes=None) -> list[tuple[str, Launch]]:
     """(label, launch) for every kernel launch the engine makes in these configurations,
-    duplicates (same kernel, same compile-time specialization) removed."""
+    duplicates (same kernel, same compile-time specialization) removed. The w8a16 GEMM (an
+    int8 model's linear layers) runs in `gemm_dtypes` (default: `dtypes`) on each layout's
+    QKV projection shape."""
     out, seen = [], set()
 
     def add(label: str, launches: list[Launch]):
@@ -285,11 +303,13 @@ def engine_launches(dtypes=(torch.bfloat16, torch.float16, torch.float32), block
         for name, heads, kv_heads, head_dim in layouts:
             for block_size in block_sizes:
                 for kind in kinds:
-                    backend, query, key, kv_cache, metadata = _attention_batch(kind, heads, kv_heads, head_dim,
-                                                                               block_size, dtype)
-                    with recording() as launches:
-                        backend.forward(query, key, key, kv_cache, metadata, head_dim**-0.5)
-                    add(f"{dt} {name} bs{block_size} {kind}", launches)
+                    for cache_dtype in kv_cache_dtypes:
+                        backend, query, key, kv_cache, metadata = _attention_batch(kind, heads, kv_heads, head_dim,
+                                                                                   block_size, dtype, cache_dtype)
+                        with recording() as launches:
+                            backend.forward(query, key, key, kv_cache, metadata, head_dim**-0.5)
+                        kv = f" kv-{_TYPE_NAMES[cache_dtype]}" if cache_dtype is not None else ""
+                        add(f"{dt} {name} bs{block_size} {kind}{kv}", launches)
             hidden, inter = heads * head_dim, 4 * heads * head_dim
             x = torch.empty(5, hidden, dtype=dtype)
             with recording() as launches:
@@ -299,15 +319,34 @@ def engine_launches(dtypes=(torch.bfloat16, torch.float16, torch.float32), block
                 cos = torch.empty(64, head_dim // 2, dtype=torch.float32)
                 triton_ops.rotary(torch.zeros(5, dtype=torch.int64), torch.empty(5, heads, head_dim, dtype=dtype), cos, cos)
             add(f"{dt} {name}", launches)
+    for dtype in dtypes if gemm_dtypes is None else gemm_dtypes:
+        for name, heads, kv_heads, head_dim in layouts:
+            hidden, qkv = heads * head_dim, (heads + 2 * kv_heads) * head_dim
+            with recording() as launches:
+                weight, scale = torch.empty(qkv, hidden, dtype=torch.int8), torch.empty(qkv)
+                for m in GEMM_ROWS:
+                    triton_int8.w8a16_linear(torch.empty(m, hidden, dtype=dtype), weight, scale, None)
+                # a decode step split over K (split_k_for on a GPU), and its reduction
+                triton_int8.w8a16_linear(torch.empty(1, hidden, dtype=dtype), weight, scale, None, split_k=GEMM_SPLIT_K)
+            add(f"{_TYPE_NAMES[dtype]} {name} w8a16 M={'/'.join(map(str, GEMM_ROWS))}", launches)
     return out
 
 
+def uses_fp8(launch: Launch) -> bool:
+    return any(isinstance(a, torch.Tensor) and a.dtype == torch.float8_e4m3fn for a in launch.args)
+
+
 def compile_all(archs=(90,), quick: bool = False, **kwargs) -> list[CompiledLaunch]:
+    """Compile every engine launch for each architecture (float8 caches only where the
+    architecture has float8: FP8_MIN_ARCH)."""
     if quick:
         kwargs.setdefault("dtypes", (torch.bfloat16,))
         kwargs.setdefault("block_sizes", (16,))
         kwargs.setdefault("layouts", HEAD_LAYOUTS[:2])
-    return [compile_launch(launch, arch, label) for arch in archs for label, launch in engine_launches(**kwargs)]
+        kwargs.setdefault("gemm_dtypes", (torch.float16, torch.bfloat16))
+    launches = engine_launches(**kwargs)
+    return [compile_launch(launch, arch, label) for arch in archs for label, launch in launches
+            if arch >= FP8_MIN_ARCH or not uses_fp8(launch)]
 
 
 def format_table(results: list[CompiledLaunch]) -> str:
@@ -325,7 +364,8 @@ def format_table(results: list[CompiledLaunch]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", default="80,90", help="compute capabilities, comma-separated (default 80,90)")
-    parser.add_argument("--quick", action="store_true", help="bfloat16, block size 16, two head layouts")
+    parser.add_argument("--quick", action="store_true",
+                        help="bfloat16 (the GEMM also float16), block size 16, two head layouts")
     parser.add_argument("--json", action="store_true", help="one JSON object per launch instead of the table")
     args = parser.parse_args(argv)
     if triton is None:

@@ -8,6 +8,12 @@ inside the new tokens. For long contexts the KV range is split across programs
 kernel combines them. The new keys and values are stored by slot mapping first
 (`triton_ops.kv_store`), so attention reads only the cache.
 
+The cache may be quantized (the layout of `reference_ops.quantize_kv_rows`, told by its
+dtype): int8 rows carry their float32 scale after their head_dim values, float8_e4m3fn rows
+have none. The store quantizes each new row; attention widens each K/V block to the
+query's dtype as it loads it, and multiplies an int8 row's scale into that row's column of
+the scores (K) and of the probabilities (V).
+
 On CPU this runs under TRITON_INTERPRET=1 (slow: tests only); the torch backend is the
 reference it is tested against.
 """
@@ -36,7 +42,7 @@ if triton is not None:
         scale, num_tokens, num_heads, num_kv_heads, max_blocks_per_seq, min_blocks_per_split,
         GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_FP32: tl.constexpr,
-        DOT_PRECISION: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, KV_INT8: tl.constexpr, ROW_WIDTH: tl.constexpr,
     ):
         tile = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -73,16 +79,31 @@ if triton is not None:
         l_i = tl.zeros([BLOCK_M * GROUP_P2], tl.float32)
         acc = tl.zeros([BLOCK_M * GROUP_P2, HEAD_DIM_P2], tl.float32)
         n = tl.arange(0, BLOCK_SIZE)
-        block_stride = BLOCK_SIZE * num_kv_heads * HEAD_DIM
+        block_stride = BLOCK_SIZE * num_kv_heads * ROW_WIDTH
         for b in range(block_lo, block_hi):
             block_id = tl.load(block_tables_ptr + seq * max_blocks_per_seq + b).to(tl.int64)
-            offs = block_id * block_stride + (n[:, None] * num_kv_heads + kv_head) * HEAD_DIM + d[None, :]
+            row_offs = block_id * block_stride + (n * num_kv_heads + kv_head) * ROW_WIDTH  # [BLOCK_SIZE]
+            offs = row_offs[:, None] + d[None, :]
             k = tl.load(k_cache_ptr + offs, mask=d_ok[None, :], other=0.0)  # [BLOCK_SIZE, HEAD_DIM_P2]
             v = tl.load(v_cache_ptr + offs, mask=d_ok[None, :], other=0.0)
+            # A quantized cache is widened to the query's dtype (int8 and float8_e4m3fn values
+            # are exact in each). An int8 row's float32 scale, after its values, multiplies the
+            # row's column of the scores (K) and of the probabilities (V) instead of its
+            # head_dim values: [rows, BLOCK_SIZE] products, not [BLOCK_SIZE, HEAD_DIM] ones.
+            if KV_INT8:
+                k_scale = tl.load((k_cache_ptr + row_offs + HEAD_DIM).to(tl.pointer_type(tl.float32)))
+                v_scale = tl.load((v_cache_ptr + row_offs + HEAD_DIM).to(tl.pointer_type(tl.float32)))
+                k = k.to(tl.float32).to(q_ptr.dtype.element_ty)  # through float32: the interpreter
+                v = v.to(tl.float32).to(q_ptr.dtype.element_ty)  # converts int8 to bf16 wrongly
+            elif k.dtype != q_ptr.dtype.element_ty:
+                k = k.to(tl.float32).to(q_ptr.dtype.element_ty)
+                v = v.to(tl.float32).to(q_ptr.dtype.element_ty)
             if DOT_FP32:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * scale  # [rows, BLOCK_SIZE]
+            if KV_INT8:
+                s = s * k_scale[None, :]
             k_pos = b * BLOCK_SIZE + n
             visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < seq_len)
             s = tl.where(visible, s, float("-inf"))
@@ -91,7 +112,11 @@ if triton is not None:
             p = tl.exp(s - m_safe[:, None])
             alpha = tl.exp(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
+            if KV_INT8:
+                pv = tl.dot((p * v_scale[None, :]).to(v.dtype), v, input_precision=DOT_PRECISION)
+            else:
+                pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            acc = acc * alpha[:, None] + pv.to(tl.float32)
             m_i = m_new
 
         out = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
@@ -138,6 +163,7 @@ class TritonAttentionBackend(AttentionBackend):
     """`num_splits=None` picks the split count from the longest context."""
 
     name = "triton"
+    quantized_kv = True  # reads and writes int8 and float8_e4m3fn rows (see the module docstring)
 
     def __init__(self, num_splits: int | None = None, tokens_per_split: int = 1024, max_splits: int = 16):
         if triton is None:
@@ -196,6 +222,10 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: Atten
     plan: _TritonPlan = metadata.backend_state
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
+    if kv_cache.dtype in triton_ops.QUANTIZED_KV_DTYPES:
+        assert kv_cache.shape[4] == triton_ops.kv_row_width(head_dim, kv_cache.dtype), "cache rows of another head_dim"
+    else:
+        assert kv_cache.shape[4] == head_dim, "cache rows of another head_dim"
     group = num_heads // num_kv_heads
     query = query.contiguous()
     splits = plan.num_splits
@@ -218,6 +248,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: Atten
         # tl.dot rounds float32 operands to tf32 on a GPU unless told otherwise: a float32
         # model gets full float32 attention, as torch's own matmuls give it
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        KV_INT8=kv_cache.dtype == torch.int8, ROW_WIDTH=kv_cache.shape[4],
         num_warps=_num_warps(block_m * group_p2, head_dim_p2, query.element_size()),
     )
     if splits > 1:
@@ -250,9 +281,25 @@ def self_check(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str
             metadata = AttentionMetadata.for_batch(query_lens, seq_lens, tables, block_size, device)
             backend.prepare(metadata, block_size)
             outs.append(backend.forward(query, key, value, cache.clone(), metadata, head_dim**-0.5).float())
+        # an int8 KV cache (every GPU has it): Triton quantizes and dequantizes; the torch
+        # backend runs on the same values already dequantized
+        from pagedserve.kernels.reference_ops import dequantize_kv_rows, quantize_kv_rows
+
+        def rounded(t):
+            return dequantize_kv_rows(quantize_kv_rows(t, torch.int8), head_dim, dtype)
+
+        metadata = AttentionMetadata.for_batch(query_lens, seq_lens, tables, block_size, device)
+        torch_backend = TorchAttentionBackend()
+        torch_backend.prepare(metadata, block_size)
+        want_int8 = torch_backend.forward(query, rounded(key), rounded(value), rounded(cache), metadata, head_dim**-0.5)
+        triton_backend = TritonAttentionBackend(num_splits=2)
+        triton_backend.prepare(metadata, block_size)
+        got_int8 = triton_backend.forward(query, key, value, quantize_kv_rows(cache, torch.int8), metadata,
+                                          head_dim**-0.5)
         x, w = rand(5, 96), rand(96)
         checks = {
             "paged attention": (outs[1], outs[0]),
+            "paged attention (int8 KV cache)": (got_int8, want_int8),
             "rms_norm": (triton_ops.rms_norm(x, w, 1e-6, x)[0], triton_ops.rms_norm_ref(x, w, 1e-6, x)[0]),
             "silu_and_mul": (triton_ops.silu_and_mul(x), triton_ops.silu_and_mul_ref(x)),
         }

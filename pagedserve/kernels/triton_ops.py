@@ -4,6 +4,7 @@ by slot mapping. On CPU they run under `TRITON_INTERPRET=1` (slow; tests use sma
 
 The model's layers (`worker/layers`, `worker/models/llama.py`) call these when the engine
 runs the Triton attention backend (on CUDA by default), and their torch code otherwise.
+The KV store also writes the quantized caches (int8 rows with their scale, float8_e4m3fn).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from pagedserve.kernels.reference_ops import (  # noqa: F401 - each kernel beside its reference
+    kv_row_width,
     kv_store_ref,
     rms_norm_ref,
     rotary_ref,
@@ -87,6 +89,77 @@ if triton is not None:
         tl.store(cache_ptr + slot * row_size + cols, k, mask=mask)
         tl.store(cache_ptr + value_offset + slot * row_size + cols, v, mask=mask)
 
+    # -- the quantized KV cache (the row layout of reference_ops.quantize_kv_rows) ----------
+
+    @triton.jit
+    def round_half_even(v):
+        """float32 v (|v| < 2^31) rounded to the nearest integer, ties to even, as torch.round:
+        exact in integer arithmetic (the interpreter has no rint)."""
+        t = v.to(tl.int32)  # toward zero
+        f = v - t.to(tl.float32)  # exact
+        up = (tl.abs(f) > 0.5) | ((tl.abs(f) == 0.5) & ((t % 2) != 0))
+        return t.to(tl.float32) + tl.where(up, tl.where(v < 0, -1.0, 1.0), 0.0)
+
+    @triton.jit
+    def to_fp8e4m3(x):
+        """float32 → float8_e4m3fn as torch converts it after the clamp to +-448: rounded to
+        the nearest e4m3 value (ties to even) in float32 first, so the conversion itself is
+        exact (the interpreter's own rounding loses the carry into the exponent)."""
+        x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+        bits = x.to(tl.int32, bitcast=True)
+        # the spacing of e4m3 values around |x|: 2^(exponent - 3), subnormals below 2^-6
+        e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6) - 3
+        step = ((e + 127) << 23).to(tl.float32, bitcast=True)
+        inv_step = ((127 - e) << 23).to(tl.float32, bitcast=True)
+        r = round_half_even(tl.abs(x) * inv_step) * step
+        signed = r.to(tl.int32, bitcast=True) | (bits & -2147483648)  # keeps the sign of -0.0
+        return signed.to(tl.float32, bitcast=True).to(tl.float8e4nv)
+
+    @triton.jit
+    def _store_quantized_row(src_ptr, dst_ptr, d, d_ok, slot, HEAD_DIM: tl.constexpr, INT8: tl.constexpr):
+        x = tl.load(src_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
+        store_ok = d_ok & (tl.zeros_like(d).to(tl.int64) + slot >= 0)  # slot -1: a padding row
+        if INT8:
+            scale = tl.math.div_rn(tl.max(tl.abs(x), axis=0), 127.0)  # IEEE division, as torch's
+            q = round_half_even(tl.math.div_rn(x, tl.where(scale > 0, scale, 1.0)))
+            q = tl.minimum(tl.maximum(q, -127.0), 127.0)
+            tl.store(dst_ptr + d, q.to(tl.int8), mask=store_ok)
+            # the row's float32 scale in the 4 bytes after its values (4-byte aligned), stored
+            # as a one-element vector (the interpreter takes no scalar mask)
+            one = tl.arange(0, 1)
+            tl.store((dst_ptr + HEAD_DIM + one).to(tl.pointer_type(tl.float32)), tl.zeros([1], tl.float32) + scale,
+                     mask=one.to(tl.int64) + slot >= 0)
+        else:
+            tl.store(dst_ptr + d, to_fp8e4m3(x), mask=store_ok)
+
+    @triton.jit
+    def _kv_store_quantized_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, value_offset, num_kv_heads,
+                                   HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, ROW_WIDTH: tl.constexpr,
+                                   INT8: tl.constexpr):
+        token = tl.program_id(0)
+        head = tl.program_id(1)
+        slot = tl.load(slot_ptr + token).to(tl.int64)  # -1: a padding row (CUDA graphs), not stored
+        d = tl.arange(0, HEAD_DIM_P2)
+        d_ok = d < HEAD_DIM
+        src = (token.to(tl.int64) * num_kv_heads + head) * HEAD_DIM
+        dst = (slot * num_kv_heads + head) * ROW_WIDTH
+        _store_quantized_row(k_ptr + src, cache_ptr + dst, d, d_ok, slot, HEAD_DIM, INT8)
+        _store_quantized_row(v_ptr + src, cache_ptr + value_offset + dst, d, d_ok, slot, HEAD_DIM, INT8)
+
+
+#: the cache dtypes whose rows the kernels quantize and dequantize (reference_ops' layout)
+QUANTIZED_KV_DTYPES = (torch.int8, torch.float8_e4m3fn)
+
+
+def check_kv_cache_device(kv_cache: torch.Tensor) -> None:
+    """Triton has no float8_e4m3fn below sm_89 (A100 is sm_80): say so instead of failing
+    inside the compiler at the first launch. int8 caches compile everywhere."""
+    if kv_cache.dtype == torch.float8_e4m3fn and kv_cache.is_cuda:
+        major, minor = torch.cuda.get_device_capability(kv_cache.device)
+        if (major, minor) < (8, 9):
+            raise RuntimeError(f"a float8_e4m3fn KV cache needs a GPU of sm_89 or later for the Triton kernels "
+                               f"(this one is sm_{major}{minor}); use an int8 KV cache")
+
 
 def _need_triton() -> None:
     if triton is None:
@@ -134,10 +207,22 @@ def rotary(positions: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: tor
 def kv_store(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
              block: int = 1024) -> None:
     """Triton version of `kv_store_ref`; kv_cache must be contiguous. Tokens whose slot is
-    -1 are skipped (the padding rows of a CUDA graph batch)."""
+    -1 are skipped (the padding rows of a CUDA graph batch). An int8 or float8_e4m3fn cache
+    gets its rows quantized on the way in (one program per token and KV head), in the layout
+    of `reference_ops.quantize_kv_rows`, bit for bit."""
     _need_triton()
     assert kv_cache.is_contiguous(), "the KV pool is one contiguous tensor per layer"
     n, num_kv_heads, head_dim = key.shape
+    if kv_cache.dtype in QUANTIZED_KV_DTYPES:
+        width = kv_cache.shape[-1]
+        assert width == kv_row_width(head_dim, kv_cache.dtype), f"a {kv_cache.dtype} cache of rows {width} wide"
+        check_kv_cache_device(kv_cache)
+        if n:
+            _kv_store_quantized_kernel[(n, num_kv_heads)](
+                key.contiguous(), value.contiguous(), kv_cache, slot_mapping, kv_cache[0].numel(), num_kv_heads,
+                HEAD_DIM=head_dim, HEAD_DIM_P2=triton.next_power_of_2(head_dim), ROW_WIDTH=width,
+                INT8=kv_cache.dtype == torch.int8)
+        return
     row_size = num_kv_heads * head_dim
     block = min(block, triton.next_power_of_2(row_size))
     _kv_store_kernel[(n, triton.cdiv(row_size, block))](key.contiguous(), value.contiguous(), kv_cache, slot_mapping,

@@ -6,7 +6,8 @@ scale = max|w[o, :]| / 127 and weight = round(w / scale), so each element is off
 most scale / 2. Activations stay float. The fused CPU decode step reads these tensors
 directly (kernels/csrc/cpu_decode.cpp); every other step runs `Int8Linear.forward`, which
 uses the same C++ kernel through torch's operator registry when the worker has loaded it,
-and plain torch (dequantize, then `F.linear`) elsewhere: on GPU, in other dtypes.
+on CUDA the Triton w8a16 GEMM (kernels/triton_int8.py) through the same registry when the
+worker has registered it, and plain torch (dequantize, then `F.linear`) elsewhere.
 """
 
 from __future__ import annotations
@@ -32,10 +33,15 @@ from pagedserve.common.contracts import QuantizationPlugin, QuantizationReport
 #: M = 1 (qkv 450 us against 44 us) and grows linearly with M (7.6 ms at M = 16).
 INT8_KERNEL_MAX_ROWS = 16
 
+#: Devices on which `Int8Linear.forward` calls `torch.ops.pagedserve.w8a16_linear` (the
+#: Triton w8a16 GEMM, kernels/triton_int8.py) when the worker has registered it.
+TRITON_GEMM_DEVICES = ("cuda",)
+
 
 def _cpu_op(name: str) -> Any:
-    """The CPU extension's operator of that name, if the worker has loaded it (the plugin may
-    not import pagedserve.kernels; the worker loads the extension for a quantized CPU model)."""
+    """The `pagedserve` operator of that name, if the worker has registered it (the plugin may
+    not import pagedserve.kernels): the CPU extension's `int8_*`, which the worker loads for
+    a quantized CPU model, or the Triton `w8a16_linear`, registered for the Triton kernels."""
     return getattr(torch.ops.pagedserve, name, None) if hasattr(torch.ops, "pagedserve") else None
 
 
@@ -80,7 +86,10 @@ class Int8Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         cpu32 = x2.device.type == "cpu" and x2.dtype == torch.float32
         linear = _cpu_op("int8_linear") if cpu32 else None
-        if linear is not None and x2.shape[0] <= INT8_KERNEL_MAX_ROWS:
+        gemm = _cpu_op("w8a16_linear") if x2.device.type in TRITON_GEMM_DEVICES else None
+        if gemm is not None:
+            y = gemm(x2, self.weight, self.weight_scale, self.bias)
+        elif linear is not None and x2.shape[0] <= INT8_KERNEL_MAX_ROWS:
             y = linear(x2.contiguous(), self.weight, self.weight_scale, self.bias)
         else:
             dequant = _cpu_op("int8_dequantize") if cpu32 else None

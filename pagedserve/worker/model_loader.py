@@ -56,12 +56,27 @@ def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.dev
             from pagedserve.kernels.cpu_attention import cpu_kernels
 
             cpu_kernels()
+        elif kernels.ops.name == "triton":
+            _register_triton_gemm(device)
         method: QuantizationPlugin = load_plugin("quantization", quantization)()
         report = method.quantize(model, quantize_lm_head=quantize_lm_head)
         logger.info("%s: %d linear layers, %.1f MB of float weights now %.1f MB (LM head %s); model %.1f MB",
                     report.method, report.num_linear, report.float_bytes / 1e6, report.quantized_bytes / 1e6,
                     "quantized" if report.lm_head else "float", report.model_bytes / 1e6)
     return model
+
+
+def _register_triton_gemm(device: torch.device) -> None:
+    """Registers torch.ops.pagedserve.w8a16_linear (kernels/triton_int8.py), which the int8
+    modules' forward calls on CUDA, once it has passed its check against the torch reference
+    on this device; without it they dequantize and call F.linear."""
+    from pagedserve.kernels import triton_int8
+
+    problem = triton_int8.self_check(device)
+    if problem is not None:
+        logger.warning("the Triton w8a16 GEMM failed its self-check (%s); int8 layers dequantize instead", problem)
+        return
+    triton_int8.register_op()
 
 
 @torch.no_grad()

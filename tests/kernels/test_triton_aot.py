@@ -23,7 +23,8 @@ from pagedserve.kernels import triton_aot, triton_ops  # noqa: E402
 from pagedserve.kernels.triton_aot import recording  # noqa: E402
 
 KERNELS = {"_paged_attention_kernel", "_combine_splits_kernel", "_kv_store_kernel", "_rms_norm_kernel",
-           "_silu_and_mul_kernel", "_rotary_kernel"}
+           "_silu_and_mul_kernel", "_rotary_kernel", "_kv_store_quantized_kernel", "_w8a16_gemm_kernel",
+           "_w8a16_reduce_kernel"}
 TESTS_DIR = Path(__file__).parent.parent
 
 
@@ -43,19 +44,26 @@ def test_every_engine_kernel_compiles_for_a100_and_h100():
     results = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     assert {r["kernel"] for r in results} == KERNELS
     # bf16, block size 16, two head layouts, three batch kinds, and the elementwise kernels
-    # once per layout, each specialization once: 17 launches per architecture
-    assert len(results) == 2 * 17
+    # once per layout, each specialization once: 17 launches per architecture with a bf16
+    # cache; an int8 and a float8 cache add a quantizing store and three attention kernels
+    # per layout (8 each; float8 on sm_90 only); the w8a16 GEMM: 3 tile sizes, and per layout
+    # a split-K decode with its reduction (K = 4096 in 4 splits, K = 576 in 3), in fp16 and
+    # bf16 (14)
+    assert len(results) == (17 + 8 + 14) + (17 + 8 + 8 + 14)
     for r in results:
         assert r["error"] is None, r
         assert 0 <= r["shared_bytes"] <= triton_aot.SHARED_MEMORY_LIMIT[r["arch"]]
         assert 0 < r["registers"] <= 255
         assert r["tf32_dots"] is False
         # only a prefill tile of 64 rows × 128 dims (Llama-3-8B: 16 tokens × 4 heads) takes 8 warps
-        big_tile = r["kernel"] == "_paged_attention_kernel" and r["label"].endswith("llama3-8b bs16 mixed")
-        assert r["num_warps"] == (8 if big_tile else 4), r
-    assert "34 launches: 34 compiled, 0 refused by the compiler; 0 over the shared memory limit" in out
+        # (whatever the cache); the GEMM's 64 × 128 tile of M > 64 takes 8 too
+        big_tile = r["kernel"] == "_paged_attention_kernel" and "llama3-8b bs16 mixed" in r["label"]
+        big_gemm = r["kernel"] == "_w8a16_gemm_kernel" and r["constants"]["BLOCK_M"] == 64
+        assert r["num_warps"] == (8 if big_tile or big_gemm else 4), r
+    assert "86 launches: 86 compiled, 0 refused by the compiler; 0 over the shared memory limit" in out
     attention = {r["label"].split()[-1]: r["constants"] for r in results
-                 if r["arch"] == 90 and r["kernel"] == "_paged_attention_kernel" and "llama3-8b" in r["label"]}
+                 if r["arch"] == 90 and r["kernel"] == "_paged_attention_kernel" and "llama3-8b" in r["label"]
+                 and "kv-" not in r["label"]}
     # a prefill tile holds 16 query tokens × 4 heads; a decode tile 4 × 4 (tl.dot's 16 rows)
     assert attention["mixed"]["BLOCK_M"] == 16 and attention["decode"]["BLOCK_M"] == 4
     # the CUDA graph plan: the split count fixed for an 8192-token context, compiled in
@@ -100,7 +108,7 @@ def test_float32_attention_compiles_without_tf32():
         import torch
         from pagedserve.kernels import triton_aot as aot
         [launch] = [launch for _, launch in aot.engine_launches(
-            dtypes=(torch.float32,), block_sizes=(16,), layouts=aot.HEAD_LAYOUTS[:1], kinds=("mixed",))
+            dtypes=(torch.float32,), block_sizes=(16,), layouts=aot.HEAD_LAYOUTS[:1], kinds=("mixed",), kv_cache_dtypes=(None,))
             if launch.name == "_paged_attention_kernel"]
         print(launch.kwargs["DOT_PRECISION"], *("tf32" in aot.compile_launch(launch, arch).ptx for arch in (80, 90)))
         launch.kwargs["DOT_PRECISION"] = "tf32"  # what the kernel compiled to before: the check sees it
@@ -133,7 +141,7 @@ def test_shared_memory_over_the_limit_is_flagged():
         import torch
         from pagedserve.kernels import triton_aot as aot
         [launch] = [launch for _, launch in aot.engine_launches(
-            dtypes=(torch.bfloat16,), block_sizes=(16,), layouts=aot.HEAD_LAYOUTS[:1], kinds=("mixed",))
+            dtypes=(torch.bfloat16,), block_sizes=(16,), layouts=aot.HEAD_LAYOUTS[:1], kinds=("mixed",), kv_cache_dtypes=(None,))
             if launch.name == "_paged_attention_kernel"]
         result = aot.compile_launch(launch, 90)
         print(result.notes, result.shared_bytes > 1024)
@@ -144,3 +152,54 @@ def test_shared_memory_over_the_limit_is_flagged():
     """).splitlines()
     assert printed[:2] == ["[] True", "True"]
     assert "1 compiled, 0 refused by the compiler; 1 over the shared memory limit" in printed[2]
+
+
+def test_quantized_kv_and_w8a16_launches_compile_where_their_types_exist():
+    """int8 caches and the w8a16 GEMM compile for sm_80 and sm_90; float8_e4m3fn caches for
+    sm_90 only (Triton has no e4m3 type below sm_89), each kernel told its cache layout."""
+    printed = _compiled(script="""
+        import json, torch
+        from pagedserve.kernels import triton_aot as aot
+        results = aot.compile_all((80, 90), dtypes=(torch.float16,), block_sizes=(32,), layouts=aot.HEAD_LAYOUTS[:1],
+                                  kinds=("decode",), kv_cache_dtypes=(torch.int8, torch.float8_e4m3fn))
+        for r in results:
+            print(json.dumps([r.arch, r.kernel, r.label, r.error, r.constants.get("KV_INT8"), r.constants.get("ROW_WIDTH"),
+                              r.constants.get("INT8"), r.constants.get("BLOCK_M")]))
+    """)
+    rows = [json.loads(line) for line in printed.splitlines()]
+    assert all(error is None for _, _, _, error, *_ in rows)
+    kv = sorted((arch, kernel, label.split()[-1], kv_int8, width, int8)
+                for arch, kernel, label, _, kv_int8, width, int8, _ in rows if "kv-" in label)
+    assert kv == [
+        (80, "_kv_store_quantized_kernel", "kv-i8", None, 132, True),
+        (80, "_paged_attention_kernel", "kv-i8", True, 132, None),
+        (90, "_kv_store_quantized_kernel", "kv-fp8e4nv", None, 128, False),
+        (90, "_kv_store_quantized_kernel", "kv-i8", None, 132, True),
+        (90, "_paged_attention_kernel", "kv-fp8e4nv", False, 128, None),
+        (90, "_paged_attention_kernel", "kv-i8", True, 132, None),
+    ]
+    gemm = sorted((arch, block_m) for arch, kernel, *_, block_m in rows if kernel == "_w8a16_gemm_kernel")
+    assert gemm == [(80, 16), (80, 16), (80, 32), (80, 64), (90, 16), (90, 16), (90, 32), (90, 64)]  # M=1 twice: split-K
+    assert sorted(arch for arch, kernel, *_ in rows if kernel == "_w8a16_reduce_kernel") == [80, 90]
+
+
+def test_recording_sees_the_quantized_cache_and_the_gemm():
+    backend, query, key, kv_cache, metadata = triton_aot._attention_batch("decode", 32, 8, 128, 16, torch.bfloat16,
+                                                                          torch.float8_e4m3fn)
+    assert kv_cache.shape[-1] == 128 and kv_cache.dtype == torch.float8_e4m3fn
+    with recording() as launches:
+        backend.forward(query, key, key, kv_cache, metadata, 128**-0.5)
+        from pagedserve.kernels.triton_int8 import w8a16_linear
+
+        w8a16_linear(torch.empty(1, 64), torch.empty(48, 64, dtype=torch.int8), torch.empty(48))
+        w8a16_linear(torch.empty(1, 512), torch.empty(48, 512, dtype=torch.int8), torch.empty(48), split_k=2)
+    assert [launch.name for launch in launches] == ["_kv_store_quantized_kernel", "_paged_attention_kernel",
+                                                    "_w8a16_gemm_kernel", "_w8a16_gemm_kernel", "_w8a16_reduce_kernel"]
+    assert launches[3].grid == (1, 2, 2) and launches[3].kwargs["SPLIT_K"] == 2  # 2 column tiles × 2 K splits
+    assert triton_aot.uses_fp8(launches[0]) and not triton_aot.uses_fp8(launches[2])
+    signature, constexprs, _ = triton_aot.signature_of(launches[1])
+    assert signature["k_cache_ptr"] == "*fp8e4nv" and signature["q_ptr"] == "*bf16"
+    signature, constexprs, _ = triton_aot.signature_of(launches[2])
+    names = triton_aot._jit_function(launches[2].kernel).arg_names
+    assert signature["w_ptr"] == "*i8" and signature["M"] == "constexpr"  # M = 1 is specialized
+    assert constexprs[(names.index("DOT_PRECISION"),)] == "ieee"  # float32 activations: no tf32

@@ -118,6 +118,9 @@ def test_gpu_kernels_script_on_the_interpreter():
     out = _run_gpu_kernels_script({**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""})
     assert "CPU (Triton interpreter)" in out and out.strip().endswith("all checks passed")
     assert out.count("decode b=2") == 2 and "prefill 1x32" in out
+    # the quantized KV caches' decode rows and the w8a16 GEMM's, each checked by the script
+    assert out.count("decode kv-int8 b=2") == 2 and out.count("decode kv-fp8 b=2") == 2
+    assert out.count("w8a16 tiny") == 2
 
 
 @pytest.mark.gpu
