@@ -44,6 +44,8 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:
     offline.add_argument("--quantization", default=None, help="weight quantization at load time (int8)")
     offline.add_argument("--quantize-lm-head", action="store_true", help="with --quantization: the LM head too")
     offline.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 2GiB (default: the engine's)")
+    offline.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3"],
+                         help="KV cache element type (int8: rows with a float32 scale; fp8_e4m3: CUDA only)")
     offline.add_argument("--compare", default="", choices=["", "transformers"],
                          help="also run transformers generate (static batches of 16) and generate_batch")
     offline.add_argument("--peers", default="", help="comma list of peers to run: generate,generate_batch")

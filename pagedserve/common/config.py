@@ -18,6 +18,10 @@ DEFAULT_TOKEN_BUDGET = {"cpu": 2048, "cuda": 8192}
 CPU_TOKENS_PER_THREAD = 1024
 
 
+#: --kv-cache-dtype choices (auto: the model's dtype); fp8_e4m3 only on a CUDA device
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
+
+
 def quantization_methods() -> list[str]:
     """The names in the `pagedserve.quantization` entry-point group (the built-in: int8)."""
     from importlib.metadata import entry_points
@@ -52,6 +56,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     #: weight-only int8, one scale per output channel); None: the checkpoint's float weights
     quantization: str | None = None
     quantize_lm_head: bool = False  # with `quantization`: the LM head too (the embedding lookup stays float)
+    #: the KV cache's element type: auto (the model's dtype) | int8 (per row: head_dim int8
+    #: values and a float32 scale; CPU and GPU) | fp8_e4m3 (CUDA only). A quantized cache
+    #: holds more tokens in the same --kv-cache-memory; its blocks hash apart from float ones
+    kv_cache_dtype: str = "auto"
     max_n: int = 16  # largest n a request may ask for
     #: bytes of the shared KV tier (worker/kv_tier.py): blocks evicted from the pool stay
     #: loadable by every worker of the model; 0: off. Flags and env take sizes like 8GiB
@@ -97,6 +105,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise InvalidParameterError("kv_tier_memory", "must be >= 0 bytes (0: no tier)")
         if self.kv_tier_timeout <= 0:
             raise InvalidParameterError("kv_tier_timeout", "must be > 0 seconds")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise InvalidParameterError("kv_cache_dtype", f"must be {', '.join(KV_CACHE_DTYPES)}, "
+                                        f"got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype == "fp8_e4m3" and self.device == "cpu":
+            raise InvalidParameterError("kv_cache_dtype", "fp8_e4m3 needs a CUDA device; on CPU use int8")
         if self.quantization is not None:
             methods = quantization_methods()
             if self.quantization not in methods:

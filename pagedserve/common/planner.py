@@ -3,7 +3,12 @@
 Pure arithmetic over a model's config.json (and its safetensors headers when the
 checkpoint is there), so it runs anywhere, without torch.
 
-    KV bytes per token = 2 (K and V) × layers × KV heads × head_dim × bytes per element
+    KV bytes per token = 2 (K and V) × layers × KV heads × bytes per row
+    bytes per row      = head_dim × bytes per element, + a float32 scale (4 bytes) for int8
+
+The rows are those the workers allocate (`--kv-cache-dtype`, kernels/reference_ops.py):
+an int8 row is head_dim int8 values followed by its float32 scale; an fp8_e4m3 row is
+head_dim fp8 values with no scale.
 """
 
 from __future__ import annotations
@@ -19,8 +24,9 @@ from pathlib import Path
 from pagedserve.common.errors import InvalidParameterError
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "fp8_e4m3": 1, "int8": 1}
-#: KV element types stored with scales: one float32 per (block, layer, K or V, KV head)
-QUANTIZED_KV = ("fp8", "fp8_e4m3", "int8")
+#: KV element types whose rows carry a float32 scale after their values (one per token,
+#: layer, K or V, and KV head); fp8 rows carry none
+SCALED_KV = ("int8",)
 SCALE_BYTES = 4  # a float32 scale
 #: weight quantization methods `plan` counts: bytes per weight of a linear layer; each
 #: output channel also keeps one float32 scale. Embeddings and the LM head stay in --dtype.
@@ -64,13 +70,17 @@ class ModelShape:
         linear, outputs = _linear_shapes(cfg, head_dim, kv_heads)
         return cls(cfg["num_hidden_layers"], kv_heads, head_dim, params, linear, outputs)
 
+    def kv_bytes_per_row(self, kv_dtype: str) -> int:
+        """One token's K (or V) of one KV head: head_dim elements, and an int8 row's scale."""
+        return self.head_dim * DTYPE_BYTES[kv_dtype] + (SCALE_BYTES if kv_dtype in SCALED_KV else 0)
+
     def kv_bytes_per_token(self, kv_dtype: str) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES[kv_dtype]
+        """K and V of every layer and KV head, scales included."""
+        return 2 * self.num_layers * self.num_kv_heads * self.kv_bytes_per_row(kv_dtype)
 
     def kv_bytes_per_block(self, kv_dtype: str, block_size: int) -> int:
-        """A block's K/V of every layer, with its scales when the KV cache is quantized."""
-        scales = 2 * self.num_layers * self.num_kv_heads * SCALE_BYTES if kv_dtype in QUANTIZED_KV else 0
-        return self.kv_bytes_per_token(kv_dtype) * block_size + scales
+        """A block's K/V of every layer (its scales are inside its rows)."""
+        return self.kv_bytes_per_token(kv_dtype) * block_size
 
     def weight_bytes(self, dtype: str, quantization: str | None = None) -> int:
         """The weights in memory: all in `dtype`, or the linear layers quantized (1 byte a
@@ -154,8 +164,8 @@ def plan(
 
     `reserved_fraction` keeps part of the memory for activations and the runtime.
     `lengths`, if given, are typical sequence lengths (prompt + output) of the traffic.
-    `quantization` (int8) counts the linear layers' weights quantized; a quantized
-    `kv_dtype` (fp8_e4m3, int8) counts its scales beside each block.
+    `quantization` (int8) counts the linear layers' weights quantized; `kv_dtype` int8
+    counts head_dim + 4 bytes per row (its float32 scale), fp8_e4m3 head_dim bytes.
     """
     if quantization is not None and quantization not in WEIGHT_QUANTIZATION_BYTES:
         raise InvalidParameterError("quantization", f"must be one of {', '.join(WEIGHT_QUANTIZATION_BYTES)}, "

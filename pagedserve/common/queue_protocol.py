@@ -195,6 +195,7 @@ class WorkerInfo(msgspec.Struct, kw_only=True):
     # (prefix_cache.block_hash.prompt_block_hashes); 0 / "": not announced (no cache routing)
     block_size: int = 0  # tokens per KV block
     kv_model_id: str = ""  # the model id its block hashes include (EngineConfig.model)
+    kv_dtype: str = ""  # the quantized KV dtype its block hashes include (int8, fp8_e4m3); "": none (float cache)
 
 
 class CompletionLog(msgspec.Struct, kw_only=True):

@@ -216,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--context", type=int, required=True, help="tokens per sequence (prompt + output)")
     pl.add_argument("--dtype", default="bfloat16")
     pl.add_argument("--kv-dtype", "--kv-cache-dtype", dest="kv_dtype", default=None,
-                    help="KV cache element type (default: --dtype); fp8_e4m3 and int8 count their scales")
+                    help="KV cache element type (default: --dtype); int8 rows count their float32 scale, fp8_e4m3 none")
     pl.add_argument("--quantization", default=None, help="weights: int8 (linear layers, per-channel scales)")
     pl.add_argument("--block-size", type=int, default=16)
     pl.add_argument("--reserve", type=float, default=0.0, help="share of memory kept for activations")

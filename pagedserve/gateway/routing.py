@@ -1,7 +1,7 @@
 """`RequestRouting`: which worker's stream an admitted prompt goes to.
 
 For each prompt: its block hashes (`prefix_cache.block_hash.prompt_block_hashes`, with the
-block size and model id the workers announce in their heartbeat), then who holds how many
+block size, model id and quantized KV dtype the workers announce in their heartbeat), then who holds how many
 leading blocks (a `PrefixLookup`, the prefix cache service's index; none: load only), then
 a `RouterPlugin` (`--router`) weighs the live workers, and the queue's ADMIT script writes
 the prompt into that worker's stream, under every bound it keeps for the shared ones.
@@ -137,27 +137,27 @@ class RequestRouting:
 
     async def _cached_tokens(self, request: QueuedRequest, infos: Sequence[WorkerInfo]) -> dict[str, int]:
         """Worker id → leading prompt tokens it holds, as the lookup says (empty: none known).
-        Workers that hash differently (another block size or model id) are asked separately."""
+        Workers that hash differently (another block size, model id or KV dtype) are asked separately."""
         if self.lookup is None:
             return {}
-        groups: dict[tuple[int, str], set[str]] = {}
+        groups: dict[tuple[int, str, str], set[str]] = {}
         for w in infos:
             if w.block_size > 0 and w.kv_model_id:
-                groups.setdefault((w.block_size, w.kv_model_id), set()).add(w.worker_id)
+                groups.setdefault((w.block_size, w.kv_model_id, w.kv_dtype), set()).add(w.worker_id)
         cached: dict[str, int] = {}
-        for (block_size, model_id), members in groups.items():
-            hashes = await self._hashes(request, block_size, model_id)
+        for (block_size, model_id, kv_dtype), members in groups.items():
+            hashes = await self._hashes(request, block_size, model_id, kv_dtype)
             if not hashes:
                 continue
             blocks = await self._lookup(hashes)
             cached.update({w: n * block_size for w, n in blocks.items() if w in members and n > 0})
         return cached
 
-    async def _hashes(self, request: QueuedRequest, block_size: int, model_id: str) -> list[bytes]:
+    async def _hashes(self, request: QueuedRequest, block_size: int, model_id: str, kv_dtype: str) -> list[bytes]:
         ids = request.prompt_token_ids
         if self.offload is not None and len(ids) // block_size > _HASH_INLINE_BLOCKS:
-            return await self.offload(prompt_block_hashes, ids, block_size, model_id, request.cache_salt)
-        return prompt_block_hashes(ids, block_size, model_id, request.cache_salt)
+            return await self.offload(prompt_block_hashes, ids, block_size, model_id, request.cache_salt, kv_dtype)
+        return prompt_block_hashes(ids, block_size, model_id, request.cache_salt, kv_dtype)
 
     async def _lookup(self, hashes: list[bytes]) -> Mapping[str, int]:
         assert self.lookup is not None

@@ -6,6 +6,10 @@ csrc/cpu_paged_attention.cpp reads each cached key and value once, in place. It 
 with torch's extension builder on first use (cached under ~/.cache/torch_extensions); if
 it cannot be built, the worker logs why and stays on the torch backend.
 
+With an int8 KV cache (`--kv-cache-dtype int8`) the kernel reads the int8 rows and their
+scales in place, and float32 K/V are stored by one C++ pass (`store_kv_int8`) that
+quantizes exactly as the torch reference does.
+
 The same extension holds the fused decode step (csrc/cpu_decode.cpp, used through
 kernels/cpu_decode.py): both are built in one go, once per source and CPU.
 """
@@ -20,7 +24,10 @@ import platform
 import time
 from pathlib import Path
 
+import torch
+
 from pagedserve.common.contracts import AttentionMetadata
+from pagedserve.kernels.reference_ops import dequantize_kv_rows
 from pagedserve.kernels.torch_attention import TorchAttentionBackend
 
 logger = logging.getLogger(__name__)
@@ -91,6 +98,19 @@ class CPUAttentionBackend(TorchAttentionBackend):
     def prepare(self, metadata: AttentionMetadata, block_size: int, gather_decodes: bool = False) -> None:
         # the kernel reads the decodes' blocks in place: nothing to gather unless asked
         super().prepare(metadata, block_size, gather_decodes=gather_decodes)
+
+    def store(self, key, value, kv_cache, metadata):
+        """float32 K/V into an int8 cache in one C++ pass (the torch reference takes a dozen
+        ops per layer); anything else as the torch backend stores it."""
+        if kv_cache.dtype != torch.int8 or key.dtype != torch.float32:
+            return super().store(key, value, kv_cache, metadata)
+        slots = metadata.slot_mapping.long()
+        cpu_kernels().store_kv_int8(key, value, kv_cache[0], kv_cache[1], slots)
+        if not metadata.backend_state.prefill_groups:
+            return key, value  # decodes only: they read the cache
+        num_kv_heads, head_dim, width = key.shape[1], key.shape[2], kv_cache.shape[4]
+        return (dequantize_kv_rows(kv_cache[0].view(-1, num_kv_heads, width)[slots], head_dim, key.dtype),
+                dequantize_kv_rows(kv_cache[1].view(-1, num_kv_heads, width)[slots], head_dim, key.dtype))
 
     def attend_decodes(self, query, kv_cache, metadata, scale):
         nd = query.shape[0]

@@ -10,6 +10,8 @@ batches) runs the model's own `forward`.
 
 With int8 weights (`EngineConfig.quantization`), the projections whose `DecoderLayerWeights`
 carry a scale run the int8 GEMV of the same file (and the LM head too when it is int8).
+With an int8 KV cache (`EngineConfig.kv_cache_dtype`), the step quantizes each new K/V row
+as it stores it and the attention kernel reads the int8 rows with their scales.
 
 Nothing is captured or compiled per batch size: the kernels are built once with the CPU
 attention kernel (kernels/cpu_attention.py) and take any number of rows.
@@ -24,14 +26,18 @@ from pagedserve.common.contracts import DecoderLayerWeights, DecoderWeights, Mod
 from pagedserve.kernels.cpu_attention import cpu_kernels
 
 
-def fused_decode_supported(weights: DecoderWeights | None, dtype: torch.dtype, device: torch.device) -> str | None:
-    """Why these weights cannot run fused here, or None when they can."""
+def fused_decode_supported(weights: DecoderWeights | None, dtype: torch.dtype, device: torch.device,
+                           kv_cache_dtype: torch.dtype | None = None) -> str | None:
+    """Why these weights cannot run fused here, or None when they can (`kv_cache_dtype`:
+    the KV cache's element type, None: the model's)."""
     if weights is None:
         return "the model has no Llama-shaped decoder weights"
     if device.type != "cpu":
         return "the fused decode step runs on CPU only"
     if dtype != torch.float32:
         return f"the fused decode step is float32 only (the model runs in {dtype})"
+    if kv_cache_dtype not in (None, dtype, torch.int8):
+        return f"the fused decode step reads a float32 or int8 KV cache, not {kv_cache_dtype}"
     if cpu_kernels() is None:
         return "the CPU kernels could not be built (see the log)"
     return None

@@ -91,4 +91,7 @@ def kv_store_ref(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
     slots = slot_mapping.long()
     for cache, x in ((kv_cache[0], key), (kv_cache[1], value)):
         rows = x if x.dtype == kv_cache.dtype else quantize_kv_rows(x, kv_cache.dtype)
-        cache.view(-1, num_kv_heads, width).index_copy_(0, slots, rows)
+        flat = cache.view(-1, num_kv_heads, width)
+        if kv_cache.dtype == torch.float8_e4m3fn:  # index_copy_ has no float8 kernel on CPU: copy the bytes
+            flat, rows = flat.view(torch.uint8), rows.view(torch.uint8)
+        flat.index_copy_(0, slots, rows)

@@ -4,6 +4,11 @@ Decodes are batched: their cached K/V are gathered by one index into a padded
 [num_decodes, max_len, kv_heads, head_dim] view and attended with one masked SDPA call.
 Prefill chunks with no cached context use the fresh K/V directly (grouped by length, one
 causal SDPA per group); chunks that continue a context gather it and use an offset mask.
+
+A quantized cache (int8 rows with their scale, or fp8_e4m3; kernels/reference_ops.py) is
+written through `kv_store_ref` and dequantized where it is read. Fresh prefill chunks attend
+to their K/V quantized and dequantized too, exactly what a later step (or a prefix hit)
+reads back from the cache, so a cached prefix computes what recomputing it would.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.common.contracts import AttentionBackend, AttentionMetadata
-from pagedserve.kernels.reference_ops import kv_store_ref
+from pagedserve.kernels.reference_ops import dequantize_kv_rows, kv_store_ref, quantize_kv_rows
 
 
 @dataclass(slots=True)
@@ -42,6 +47,7 @@ write_kv = kv_store_ref
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+    quantized_kv = True  # int8 and fp8 rows, through reference_ops (the C++ kernel: int8; see cpu_attention.py)
 
     def prepare(self, metadata: AttentionMetadata, block_size: int, gather_decodes: bool = True) -> None:
         device = metadata.slot_mapping.device
@@ -76,8 +82,22 @@ class TorchAttentionBackend(AttentionBackend):
             groups.append(_PrefillGroup(index, 0, len(starts), q_len, None, None))
         metadata.backend_state = _TorchPlan(decode_blocks, decode_mask, groups)
 
+    def store(self, key, value, kv_cache, metadata):
+        """Store the step's K/V at their slots; returns the K/V fresh prefill chunks attend to:
+        as given, or from a quantized cache, as its rows read back (dequantized)."""
+        if kv_cache.dtype == key.dtype:
+            write_kv(key, value, kv_cache, metadata.slot_mapping)
+            return key, value
+        # quantized once: the rows stored, and the values attended by fresh prefills
+        key_rows, value_rows = quantize_kv_rows(key, kv_cache.dtype), quantize_kv_rows(value, kv_cache.dtype)
+        write_kv(key_rows, value_rows, kv_cache, metadata.slot_mapping)
+        if not metadata.backend_state.prefill_groups:
+            return key, value  # decodes only: they read the cache
+        head_dim = key.shape[-1]
+        return dequantize_kv_rows(key_rows, head_dim, key.dtype), dequantize_kv_rows(value_rows, head_dim, key.dtype)
+
     def forward(self, query, key, value, kv_cache, metadata, scale):
-        write_kv(key, value, kv_cache, metadata.slot_mapping)
+        key, value = self.store(key, value, kv_cache, metadata)
         out = torch.empty_like(query)
         nd = metadata.num_decodes
         if nd:
@@ -88,19 +108,24 @@ class TorchAttentionBackend(AttentionBackend):
     def attend_decodes(self, query, kv_cache, metadata, scale):
         """query [nd, heads, head_dim] of the one-token decodes → [nd, heads, head_dim]."""
         plan: _TorchPlan = metadata.backend_state
-        nd, num_kv_heads, head_dim = query.shape[0], kv_cache.shape[3], kv_cache.shape[4]
+        nd, head_dim = query.shape[0], query.shape[2]
+        num_kv_heads, width = kv_cache.shape[3], kv_cache.shape[4]
         # [nd, heads, 1, head_dim] against [nd, kv_heads, max_blocks * block_size, head_dim]
-        k = kv_cache[0].index_select(0, plan.decode_blocks).view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
-        v = kv_cache[1].index_select(0, plan.decode_blocks).view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
+        k = kv_cache[0].index_select(0, plan.decode_blocks).view(nd, -1, num_kv_heads, width)
+        v = kv_cache[1].index_select(0, plan.decode_blocks).view(nd, -1, num_kv_heads, width)
+        if kv_cache.dtype != query.dtype:
+            k, v = dequantize_kv_rows(k, head_dim, query.dtype), dequantize_kv_rows(v, head_dim, query.dtype)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
         o = F.scaled_dot_product_attention(query.unsqueeze(2), k, v, attn_mask=plan.decode_mask, scale=scale, enable_gqa=True)
         return o.squeeze(2)
 
 
 def attend_prefills(query, key, value, kv_cache, plan: _TorchPlan, scale: float, out: torch.Tensor) -> None:
     """Causal attention of every prefill chunk, written into its rows of `out`."""
-    num_kv_heads, head_dim = key.shape[1], key.shape[2]
-    k_flat = kv_cache[0].view(-1, num_kv_heads, head_dim)
-    v_flat = kv_cache[1].view(-1, num_kv_heads, head_dim)
+    num_kv_heads, head_dim, width = key.shape[1], key.shape[2], kv_cache.shape[4]
+    k_flat = kv_cache[0].view(-1, num_kv_heads, width)
+    v_flat = kv_cache[1].view(-1, num_kv_heads, width)
+    quantized = kv_cache.dtype != query.dtype
     for g in plan.prefill_groups:
         if g.token_index is None:
             rows = slice(g.start, g.start + g.q_len)
@@ -110,8 +135,10 @@ def attend_prefills(query, key, value, kv_cache, plan: _TorchPlan, scale: float,
                 v = value[rows].transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
             else:
-                k = k_flat[g.context_slots].transpose(0, 1).unsqueeze(0)
-                v = v_flat[g.context_slots].transpose(0, 1).unsqueeze(0)
+                k, v = k_flat[g.context_slots], v_flat[g.context_slots]
+                if quantized:
+                    k, v = dequantize_kv_rows(k, head_dim, query.dtype), dequantize_kv_rows(v, head_dim, query.dtype)
+                k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scale, enable_gqa=True)
             out[rows] = o[0].transpose(0, 1)
         else:

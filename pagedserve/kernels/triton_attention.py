@@ -163,6 +163,7 @@ class TritonAttentionBackend(AttentionBackend):
     """`num_splits=None` picks the split count from the longest context."""
 
     name = "triton"
+    quantized_kv = True  # reads and writes int8 and float8_e4m3fn rows (see the module docstring)
 
     def __init__(self, num_splits: int | None = None, tokens_per_split: int = 1024, max_splits: int = 16):
         if triton is None:

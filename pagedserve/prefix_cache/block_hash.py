@@ -27,6 +27,7 @@ class ExtraKeyKind(enum.IntEnum):
 
     MODEL_ID = 1
     TENANT_SALT = 2
+    KV_DTYPE = 3  # a quantized KV cache's element type (int8, fp8_e4m3): its blocks never pass for float ones
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,19 +66,28 @@ def hash_block(parent_hash: bytes | None, token_ids: Sequence[int], extra: bytes
     return h.digest()
 
 
-def extra_keys_for(model_id: str, cache_salt: str | None) -> bytes:
-    """The encoded extra keys of every block hash of one model and tenant salt."""
+def extra_keys_for(model_id: str, cache_salt: str | None, kv_dtype: str = "") -> bytes:
+    """The encoded extra keys of every block hash of one model, tenant salt and KV cache
+    dtype (`EngineConfig.kv_cache_dtype` when quantized: "int8", "fp8_e4m3"; "" for a cache
+    in the model's dtype, whose hashes carry no dtype key)."""
     keys = [ExtraKey(ExtraKeyKind.MODEL_ID, model_id)]
     if cache_salt is not None:
         keys.append(ExtraKey(ExtraKeyKind.TENANT_SALT, cache_salt))
+    if kv_dtype:
+        keys.append(ExtraKey(ExtraKeyKind.KV_DTYPE, kv_dtype))
     return encode_extra_keys(keys)
 
 
+def kv_dtype_key(kv_cache_dtype: str) -> str:
+    """The KV dtype extra key of `EngineConfig.kv_cache_dtype`: "" for auto (the model's dtype)."""
+    return "" if kv_cache_dtype == "auto" else kv_cache_dtype
+
+
 def prompt_block_hashes(token_ids: Sequence[int], block_size: int, model_id: str,
-                        cache_salt: str | None = None) -> list[bytes]:
+                        cache_salt: str | None = None, kv_dtype: str = "") -> list[bytes]:
     """The chained hashes of every full block of a prompt, exactly as a worker's KV cache
     manager computes them (the gateway uses this to ask the index who holds a prompt)."""
-    extra = extra_keys_for(model_id, cache_salt)
+    extra = extra_keys_for(model_id, cache_salt, kv_dtype)
     hashes: list[bytes] = []
     parent: bytes | None = None
     for start in range(0, len(token_ids) - block_size + 1, block_size):

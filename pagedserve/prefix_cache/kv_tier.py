@@ -46,22 +46,28 @@ class KVLayout:
     """What a block's bytes mean. Two caches exchange blocks only if all of it is equal."""
 
     model_id: str
-    dtype: str  # the KV cache's element type, e.g. "float32"
+    dtype: str  # the KV cache's element type, e.g. "float32", "int8" (rows with their scale), "float8_e4m3fn"
     block_size: int
     num_layers: int
     num_kv_heads: int
-    head_dim: int
+    head_dim: int  # the model's; an int8 row is wider (row_width)
 
     def key(self) -> str:
         return (f"{self.model_id}|{self.dtype}|b{self.block_size}|l{self.num_layers}"
                 f"|h{self.num_kv_heads}|d{self.head_dim}")
 
     @property
+    def row_width(self) -> int:
+        """Elements of one cache row: head_dim, + 4 in an int8 cache (the row's float32 scale
+        follows its values: kernels/reference_ops.py), so a block's bytes carry its scales."""
+        return self.head_dim + 4 if self.dtype == "int8" else self.head_dim
+
+    @property
     def block_bytes(self) -> int:
         from math import prod  # noqa: PLC0415 - local: the only use
 
         element = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "float8_e4m3fn": 1}[self.dtype]
-        return 2 * element * prod((self.num_layers, self.block_size, self.num_kv_heads, self.head_dim))
+        return 2 * element * prod((self.num_layers, self.block_size, self.num_kv_heads, self.row_width))
 
 
 # KEYS: data key, lru, sizes, bytes total, use counter. ARGV: value, budget.

@@ -26,6 +26,7 @@ from pagedserve.common.outputs import RequestDelta
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.common.step_stats import FinishedRequestStats, StepStats
 from pagedserve.plugins import load_plugin
+from pagedserve.prefix_cache.block_hash import kv_dtype_key
 from pagedserve.worker.input_processor import InputProcessor, ResumedCompletion
 from pagedserve.worker.kv_cache_manager import KVCacheManager
 from pagedserve.worker.kv_tier import KVTier
@@ -50,7 +51,7 @@ class Engine:
         self.max_model_len = self.runner.max_model_len
         self.config = config = self.runner.config  # the step budget resolved for the device
         self.kv_manager = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
-                                         model_id=config.model)
+                                         model_id=config.model, kv_dtype=kv_dtype_key(config.kv_cache_dtype))
         self.scheduler = load_plugin("schedulers", config.scheduler)(config, self.kv_manager)
         self.input_processor = InputProcessor(self.tokenizer, self.hf_config.vocab_size, self.max_model_len,
                                               config.max_n, self._eos_token_ids(), self.runner.device)

@@ -22,11 +22,12 @@ class KVCacheManager:
     Implements the `KVCacheManager` contract that scheduler plugins are given.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, model_id: str):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, model_id: str, kv_dtype: str = ""):
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching)
         self.enable_caching = enable_caching
         self.model_id = model_id
+        self.kv_dtype = kv_dtype  # a quantized cache's dtype, in every hash ("": the model's dtype, none)
         self._blocks: dict[str, list[Block]] = {}  # request id → blocks, in position order
         self._block_ids: dict[str, list[int]] = {}  # the same as ids, for the model runner
         self._hashes: dict[str, list[bytes]] = {}  # request id → hashes of its full blocks so far
@@ -50,10 +51,11 @@ class KVCacheManager:
         return self._blocks.get(request.request_id, [])
 
     def extra_keys(self, cache_salt: str | None) -> bytes:
-        """The encoded extra keys of every block hash: the model id and the tenant's salt."""
+        """The encoded extra keys of every block hash: the model id, the tenant's salt and a
+        quantized cache's dtype."""
         extra = self._extra_by_salt.get(cache_salt)
         if extra is None:
-            extra = self._extra_by_salt[cache_salt] = extra_keys_for(self.model_id, cache_salt)
+            extra = self._extra_by_salt[cache_salt] = extra_keys_for(self.model_id, cache_salt, self.kv_dtype)
         return extra
 
     def _ensure_hashes(self, request: Request, num_blocks: int) -> list[bytes]:

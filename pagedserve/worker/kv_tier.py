@@ -170,7 +170,7 @@ class KVTier:
         if found:
             layout = self.layout
             per_block = torch.empty((len(found), layout.num_layers, 2, layout.block_size, layout.num_kv_heads,
-                                     layout.head_dim), dtype=self.kv_caches[0].dtype)
+                                     layout.row_width), dtype=self.kv_caches[0].dtype)
             raw = per_block.view(torch.uint8).reshape(len(found), -1).numpy()
             for i, block in enumerate(found):
                 raw[i] = memoryview(block.data)

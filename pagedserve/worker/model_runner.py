@@ -31,7 +31,7 @@ from pagedserve.kernels.selector import select_kernels
 from pagedserve.plugins import load_plugin
 from pagedserve.worker.decode_graphs import DecodeGraphs, GraphCaptureError
 from pagedserve.worker.device import resolve_device, resolve_dtype
-from pagedserve.worker.kv_cache_pool import KVCachePool, KVCacheSpec
+from pagedserve.worker.kv_cache_pool import KVCachePool, KVCacheSpec, resolve_kv_cache_dtype
 from pagedserve.worker.model_loader import load_model
 from pagedserve.worker.sampling_inputs import SamplingInputs, sampled_logprobs
 
@@ -42,7 +42,16 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: Path, hf_config):
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
         self.kernels = select_kernels(config.attention_backend, self.device)  # chosen once, here
+        if self.kv_cache_dtype != self.dtype and not self.kernels.attention.quantized_kv:
+            if config.attention_backend != "auto":
+                raise InvalidParameterError("kv_cache_dtype", f"the {self.kernels.attention.name} attention backend "
+                                            f"cannot read an {config.kv_cache_dtype} KV cache; use --attention-backend "
+                                            "torch or --kv-cache-dtype auto")
+            logger.warning("the %s attention backend cannot read an %s KV cache: every step runs the torch backend",
+                           self.kernels.attention.name, config.kv_cache_dtype)
+            self.kernels = select_kernels("torch", self.device)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # what the kernels' self-check cached is not the KV cache's to lose
         self.attention_backend = self.kernels.attention
@@ -51,7 +60,7 @@ class ModelRunner:
         self.vocab_size: int = hf_config.vocab_size
         self.block_size = config.block_size
 
-        spec = KVCacheSpec.for_model(hf_config, self.dtype)
+        spec = KVCacheSpec.for_model(hf_config, self.kv_cache_dtype)
         self.num_blocks = KVCachePool.num_blocks_for(
             spec, config.block_size, self.device, config.kv_cache_memory, config.gpu_memory_utilization)
         self.kv_pool = KVCachePool(spec, config.block_size, self.num_blocks, self.device)
@@ -86,7 +95,7 @@ class ModelRunner:
         `max_batch` rows, in the fused C++ step (kernels/cpu_decode.py), where the model and
         dtype allow it; else log why not and stay eager."""
         weights = cast(CausalLMPlugin, self.model).decoder_weights()
-        problem = fused_decode_supported(weights, self.dtype, self.device)
+        problem = fused_decode_supported(weights, self.dtype, self.device, self.kv_cache_dtype)
         if problem is not None:
             logger.info("decode steps run eagerly: %s", problem)
             return

@@ -354,7 +354,7 @@ class WorkerService:
             num_running=len(self.running), num_free_blocks=kv.num_free_blocks, num_blocks=kv.num_blocks,
             num_cancelled=self.num_cancelled, num_taken_over=self.num_taken_over,
             num_waiting=self.engine.scheduler.num_waiting, num_stolen=self.queue.num_stolen,
-            block_size=kv.block_size, kv_model_id=kv.model_id,
+            block_size=kv.block_size, kv_model_id=kv.model_id, kv_dtype=kv.kv_dtype,
         )
 
 

@@ -88,19 +88,30 @@ def test_fp8_kv_doubles_the_4k_sequences_of_llama3_8b_and_int8_weights_free_memo
     assert shape.num_linear_outputs == 32 * ((4096 + 2 * 1024) + 4096 + 2 * 14336 + 4096)
     bf16 = plan(shape, 80 * GIB, 4096)
     fp8 = plan(shape, 80 * GIB, 4096, kv_dtype="fp8_e4m3")
-    scales = 2 * 32 * 8 * 4  # per block: a float32 per layer, K or V, and KV head
-    assert fp8.kv_bytes_per_sequence == 256 * (64 * 1024 * 16 + scales)
+    int8_kv = plan(shape, 80 * GIB, 4096, kv_dtype="int8")
+    # a row (one token's K or V of one KV head): fp8 128 bytes, no scale; int8 128 + a float32 scale
+    assert shape.kv_bytes_per_row("fp8_e4m3") == 128 and shape.kv_bytes_per_row("int8") == 132
+    assert fp8.kv_bytes_per_token == 64 * 1024 and int8_kv.kv_bytes_per_token == 2 * 32 * 8 * 132 == 67_584
+    assert fp8.kv_bytes_per_sequence == 256 * 64 * 1024 * 16
+    assert int8_kv.kv_bytes_per_sequence == 256 * 67_584 * 16
     budget = 80 * GIB - 2 * 8_030_261_248
-    assert (bf16.max_sequences_at_context, fp8.max_sequences_at_context) == (
-        budget // (128 * 1024 * 16) // 256, budget // (64 * 1024 * 16 + scales) // 256) == (130, 259)
+    assert (bf16.max_sequences_at_context, fp8.max_sequences_at_context, int8_kv.max_sequences_at_context) == (
+        budget // (128 * 1024 * 16) // 256, budget // (64 * 1024 * 16) // 256,
+        budget // (67_584 * 16) // 256) == (130, 260, 252)
     print(f"Llama-3-8B, 80 GiB, 4k tokens: {bf16.max_sequences_at_context} sequences with bf16 KV, "
-          f"{fp8.max_sequences_at_context} with fp8 ({fp8.max_sequences_at_context / bf16.max_sequences_at_context:.2f}x)")
+          f"{fp8.max_sequences_at_context} with fp8 ({fp8.max_sequences_at_context / bf16.max_sequences_at_context:.2f}x), "
+          f"{int8_kv.max_sequences_at_context} with int8")
     int8 = plan(shape, 80 * GIB, 4096, kv_dtype="fp8_e4m3", quantization="int8")
     rest = 8_030_261_248 - shape.num_linear_parameters  # embeddings, LM head, norms: bf16
     assert int8.weight_bytes == shape.num_linear_parameters + shape.num_linear_outputs * 4 + 2 * rest
-    assert int8.max_sequences_at_context == (80 * GIB - int8.weight_bytes) // (64 * 1024 * 16 + scales) // 256
+    assert int8.max_sequences_at_context == (80 * GIB - int8.weight_bytes) // (64 * 1024 * 16) // 256
     with pytest.raises(InvalidParameterError, match="quantization"):
         plan(shape, 80 * GIB, 4096, quantization="int4")
     assert main(["plan", "--model", str(config_file(LLAMA3_8B)), "--memory", "80GiB", "--context", "4096",
                  "--quantization", "int8", "--kv-cache-dtype", "fp8_e4m3"]) == 0
     assert f"sequences at full context             {int8.max_sequences_at_context}\n" in capsys.readouterr().out
+    assert main(["plan", "--model", str(config_file(LLAMA3_8B)), "--memory", "80GiB", "--context", "4096",
+                 "--kv-cache-dtype", "int8"]) == 0
+    out = capsys.readouterr().out
+    assert "KV cache per token                    66.0 KiB\n" in out
+    assert "sequences at full context             252\n" in out

@@ -33,9 +33,9 @@ def redis_url():
         yield server.url
 
 
-def _announce(client, worker_id: str, running: int = 0, ttl: float = 60) -> None:
+def _announce(client, worker_id: str, running: int = 0, ttl: float = 60, kv_dtype: str = "") -> None:
     info = WorkerInfo(worker_id=worker_id, model="m", max_model_len=64, pid=1, host="h", max_num_seqs=4,
-                      num_running=running, block_size=BLOCK, kv_model_id="m")
+                      num_running=running, block_size=BLOCK, kv_model_id="m", kv_dtype=kv_dtype)
     client.zadd(q.WORKERS, {worker_id: time.time() + ttl})
     client.set(q.worker_key(worker_id), encode(info))
 
@@ -95,6 +95,43 @@ def test_the_worker_holding_the_prefix_gets_the_prompt(redis_url):
     assert lookup.asked[0] == prompt_block_hashes(PROMPT, BLOCK, "m", "s") and len(lookup.asked[0]) == 2
     assert [decode_request(e[1][q.REQUEST_FIELD]).request_id for e in client.xrange(q.routed_key("w2", None))] == ["r1"]
     assert client.xlen(q.routed_key("w1", None)) == 1
+    client.close()
+
+
+def test_float_and_int8_kv_workers_are_asked_with_their_own_hashes(redis_url):
+    """A worker with an int8 KV cache hashes its blocks with the dtype: the gateway asks for
+    its hashes apart, and a float worker's hit never counts for it (nor the other way)."""
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    _announce(client, "float")
+    _announce(client, "int8", kv_dtype="int8")
+    float_hashes = prompt_block_hashes(PROMPT, BLOCK, "m", "s")
+    int8_hashes = prompt_block_hashes(PROMPT, BLOCK, "m", "s", kv_dtype="int8")
+    assert not set(float_hashes) & set(int8_hashes)
+
+    class ByHash(FakeLookup):
+        async def cached_blocks(self, block_hashes):
+            self.asked.append(list(block_hashes))
+            # the index holds the float blocks on "float" and claims them (wrongly) on "int8" too
+            return {"float": 2, "int8": 2} if list(block_hashes) == float_hashes else {}
+
+    lookup = ByHash()
+
+    async def run():
+        routing, _ = _routing(redis_url, lookup)
+        try:
+            return await routing._cached_tokens(_request("r"), [
+                WorkerInfo(worker_id="float", model="m", max_model_len=64, pid=1, host="h", max_num_seqs=4,
+                           block_size=BLOCK, kv_model_id="m"),
+                WorkerInfo(worker_id="int8", model="m", max_model_len=64, pid=1, host="h", max_num_seqs=4,
+                           block_size=BLOCK, kv_model_id="m", kv_dtype="int8")])
+        finally:
+            await routing.queue.close()
+
+    cached = asyncio.run(run())
+    assert cached == {"float": 2 * BLOCK}  # the int8 worker's own hashes found nothing
+    assert sorted(lookup.asked) == sorted([float_hashes, int8_hashes])
     client.close()
 
 

@@ -141,3 +141,42 @@ def test_an_aborted_request_waiting_for_its_lookup_is_forgotten(tiny_checkpoint,
     assert not eng.has_unfinished_requests()
     assert eng.step() == []
     assert_pool_clean(eng)
+
+
+INT8_BLOCK_BYTES = 2 * 2 * 16 * 2 * (16 + 4)  # K and V × layers × block size × KV heads × (16 int8 + a float32 scale)
+
+
+def test_an_int8_pool_round_trips_its_blocks_with_their_scales_and_a_float_pool_never_loads_them(
+        tiny_checkpoint, redis_url):
+    """int8 blocks travel byte for byte (the scales are inside the rows): a second int8 engine
+    loads all 6 and generates what computing them gives; a float32 engine finds none."""
+    model_dir = tiny_checkpoint("llama-gqa")
+    prompt = prompts(seed=6, n=1, length=101)[0]
+
+    def int8_engine(url):
+        return Engine(model=str(model_dir), dtype="float32", device="cpu", kv_cache_memory=12 * INT8_BLOCK_BYTES,
+                      max_num_batched_tokens=64, kv_tier_memory=64 << 20 if url else 0, kv_tier_url=url,
+                      kv_cache_dtype="int8")
+
+    computed = int8_engine(None)
+    assert computed.runner.kv_caches[0].shape[-1] == 20 and computed.runner.num_blocks == 12
+    reference = run(computed, prompt, "ref")
+    writer = int8_engine(redis_url)
+    assert writer.kv_tier is not None and writer.kv_tier.layout.block_bytes == INT8_BLOCK_BYTES
+    assert writer.kv_tier.layout.key() == f"{model_dir}|int8|b16|l2|h2|d16"
+    run(writer, prompt, "first")
+    for i, other in enumerate(prompts(seed=9, n=2, length=150)):
+        run(writer, other, f"other-{i}")  # they evict all of the first prompt's blocks
+    writer.close()
+    assert writer.kv_tier.counters.blocks_saved >= 6 and writer.kv_tier.store.stats.errors == 0
+
+    reader = int8_engine(redis_url)
+    assert run(reader, prompt, "again") == reference
+    assert reader.kv_tier is not None and reader.kv_tier.counters.blocks_loaded == 6
+    assert reader.kv_manager.pool.stats.num_tier_hits == 6
+    assert_pool_clean(reader)
+
+    float_engine = engine(model_dir, redis_url)
+    run(float_engine, prompt, "float")
+    assert float_engine.kv_tier is not None and float_engine.kv_tier.counters.blocks_loaded == 0
+    assert float_engine.kv_manager.pool.stats.num_tier_hits == 0

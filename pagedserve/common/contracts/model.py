@@ -69,6 +69,10 @@ class AttentionBackend(ABC):
     """
 
     name: str = ""
+    #: reads and writes quantized caches (int8 rows with their float32 scale, fp8_e4m3;
+    #: kernels/reference_ops.py), telling the layout from the cache's dtype; False: the
+    #: runner never gives it one (--kv-cache-dtype auto only)
+    quantized_kv: bool = False
 
     def prepare(self, metadata: AttentionMetadata, block_size: int) -> None:
         """Precompute per-step state (index maps, masks) shared by every layer."""
@@ -80,7 +84,10 @@ class AttentionBackend(ABC):
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        # [2, num_blocks, block_size, num_kv_heads, width]: width = head_dim in the model's
+        # dtype, or (quantized_kv) head_dim + 4 int8 (values, then the row's float32 scale)
+        # or head_dim float8_e4m3fn
+        kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]

@@ -13,6 +13,9 @@
 //    plain loops over the few rows, between the products, in scratch buffers kept from
 //    step to step (only the attention kernel's query and output are allocated per layer).
 //  - attention is the paged decode kernel of cpu_paged_attention.cpp.
+//  - an int8 KV cache (`--kv-cache-dtype int8`): each new K/V row is quantized as it is
+//    stored (`quantize_kv_row_int8`: head_dim int8 values, then the row's float32 scale, as
+//    kernels/reference_ops.quantize_kv_rows), and the attention kernel reads the rows so.
 //  - int8 weights (`--quantization int8`): `linear_rows_int8` reads each int8 weight row once.
 //    Where AVX-512 VNNI is compiled in it runs `linear_rows_int8_vnni` (cpu_int8_gemv.cpp:
 //    the activations quantized to int8 per block of 32, int8 × int8 products). Otherwise it
@@ -41,6 +44,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 bool int8_vnni_enabled();
 void linear_rows_int8_vnni(const float* x, int64_t m, int64_t in, const int8_t* w, const float* scale,
                            const float* bias, int64_t out, float* y);
+void quantize_kv_row_int8(const float* x, int64_t n, int8_t* row);  // cpu_paged_attention.cpp
 
 namespace {
 
@@ -295,7 +299,8 @@ class FusedDecoder {
 
   // One decode step: input_ids, positions, slots int64 [m]; block_tables int32 [m, max_blocks];
   // seq_lens int32 [m] (after this token); kv_caches per layer [2, blocks, block_size, kv_heads,
-  // head_dim]. Returns the final hidden states [m, hidden] (normed, before the LM head).
+  // width]: float32 rows (width = head_dim) or int8 rows (width = head_dim + 4, the values then
+  // the float32 scale). Returns the final hidden states [m, hidden] (normed, before the LM head).
   torch::Tensor forward(torch::Tensor input_ids, torch::Tensor positions, torch::Tensor slots,
                         torch::Tensor block_tables, torch::Tensor seq_lens, std::vector<torch::Tensor> kv_caches) {
     TORCH_CHECK(kv_caches.size() == layers_.size(), "one KV cache per layer");
@@ -335,10 +340,14 @@ class FusedDecoder {
       TORCH_CHECK(ids[r] >= 0 && ids[r] < embed_.size(0), "token id out of the vocabulary");
       TORCH_CHECK(pos[r] >= 0 && pos[r] < cos_.size(0), "position beyond the rotary table");
     }
+    const bool int8_kv = kv_caches.at(0).scalar_type() == at::kChar;
+    const int64_t width = int8_kv ? head_dim_ + 4 : head_dim_;  // elements of one cache row
+    const int64_t row_stride = num_kv_heads_ * width;  // elements of one slot (every KV head)
     for (auto& kv : kv_caches)
-      TORCH_CHECK(kv.scalar_type() == at::kFloat && kv.is_contiguous() && kv.dim() == 5 && kv.size(0) == 2 &&
-                      kv.size(3) * kv.size(4) == kv_size_,
-                  "each KV cache is a contiguous float32 [2, blocks, block_size, kv_heads, head_dim]");
+      TORCH_CHECK(kv.scalar_type() == (int8_kv ? at::kChar : at::kFloat) && kv.is_contiguous() && kv.dim() == 5 &&
+                      kv.size(0) == 2 && kv.size(3) == num_kv_heads_ && kv.size(4) == width,
+                  "each KV cache is a contiguous [2, blocks, block_size, kv_heads, width]: float32 rows of head_dim, "
+                  "or int8 rows of head_dim + 4 (the float32 scale last), every layer alike");
     const int64_t num_blocks = kv_caches[0].size(1), bs = kv_caches[0].size(2);
     TORCH_CHECK(block_tables.is_contiguous() && seq_lens.is_contiguous() && block_tables.dim() == 2, "contiguous tables");
     const int32_t* tables = block_tables.data_ptr<int32_t>();
@@ -366,8 +375,9 @@ class FusedDecoder {
                  qkv_out, qkv_.data());
       lap(linear_ns_);
       auto& kv = kv_caches[li];
-      float* k_cache = kv.data_ptr<float>();
-      float* v_cache = k_cache + kv.stride(0);
+      char* k_cache = static_cast<char*>(kv.data_ptr());  // bytes: float32 or int8 rows
+      char* v_cache = k_cache + kv.stride(0) * kv.element_size();
+      const int64_t slot_bytes = row_stride * kv.element_size();
       for (int64_t r = 0; r < m; ++r) {
         float* q = qkv_.data() + r * qkv_out;
         float* k = q + q_size_;
@@ -380,9 +390,16 @@ class FusedDecoder {
         const float* s = sin_.data_ptr<float>() + pos[r] * table_dim;
         rotate(q, num_heads_, head_dim_, c, s);
         rotate(k, num_kv_heads_, head_dim_, c, s);
-        if (slot[r] >= 0) {
-          std::memcpy(k_cache + slot[r] * kv_size_, k, kv_size_ * sizeof(float));
-          std::memcpy(v_cache + slot[r] * kv_size_, v, kv_size_ * sizeof(float));
+        if (slot[r] >= 0 && int8_kv) {
+          int8_t* kr = reinterpret_cast<int8_t*>(k_cache + slot[r] * slot_bytes);
+          int8_t* vr = reinterpret_cast<int8_t*>(v_cache + slot[r] * slot_bytes);
+          for (int64_t h = 0; h < num_kv_heads_; ++h) {
+            quantize_kv_row_int8(k + h * head_dim_, head_dim_, kr + h * width);
+            quantize_kv_row_int8(v + h * head_dim_, head_dim_, vr + h * width);
+          }
+        } else if (slot[r] >= 0) {
+          std::memcpy(k_cache + slot[r] * slot_bytes, k, kv_size_ * sizeof(float));
+          std::memcpy(v_cache + slot[r] * slot_bytes, v, kv_size_ * sizeof(float));
         }
       }
       // the queries, gathered out of the fused qkv rows, for the attention kernel

@@ -4,12 +4,19 @@
 // cached key and value exactly once, straight from its block (no gather into a padded
 // copy), accumulating in float32, in a single pass over the blocks (online softmax). Same
 // function as the torch reference in kernels/torch_attention.py; tests compare the two.
+//
+// The cache is the model's dtype, or int8 rows (kernels/reference_ops.py): head_dim int8
+// values and then the row's float32 scale, a row being head_dim + 4 bytes wide. An int8 key's
+// scale multiplies its score after the dot product, and a value's scale its probability
+// before the sum, so the loops stay the float ones with the int8 widened on load; under GQA
+// a block is widened to float32 once for every query head that shares it.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -22,6 +29,15 @@ inline float load(c10::BFloat16 x) {
   return out;
 }
 inline float load(c10::Half x) { return static_cast<float>(x); }
+inline float load(double x) { return static_cast<float>(x); }
+inline float load(int8_t x) { return static_cast<float>(x); }
+
+// The float32 scale stored after the head_dim int8 values of an int8 cache row.
+inline float row_scale(const int8_t* row, int64_t head_dim) {
+  float s;
+  std::memcpy(&s, row + head_dim, sizeof(s));
+  return s;
+}
 
 // Scores of one query head against `n` cached keys of a block: four keys at a time, so four
 // independent accumulators hide the FMA latency and each query load serves four keys.
@@ -59,16 +75,80 @@ inline void block_scores(const float* qg, const T* kp, int64_t token_stride, int
 
 // One pass over the context, a block at a time, with an online softmax: each block's keys
 // and values are read once, while they are in L1, for every query head of the group.
-template <typename T>
-void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int32_t* block_tables,
+// T: the query's and output's type; C: the cache's (T, or int8 rows of `width` bytes).
+// An int8 block shared by several query heads (GQA) is first widened to float32 with its
+// scales applied, so each row is converted once, not once per query head; with one query
+// head per KV head the rows are read as int8, and the scales multiply the scores and the
+// probabilities instead.
+template <typename T, typename C>
+void decode_attention(const T* q, const C* k_cache, const C* v_cache, const int32_t* block_tables,
                       const int32_t* seq_lens, T* out, int64_t num_seqs, int64_t num_heads,
-                      int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
+                      int64_t num_kv_heads, int64_t head_dim, int64_t width, int64_t block_size, int64_t max_blocks,
                       float scale) {
+  constexpr bool kInt8 = std::is_same_v<C, int8_t>;
   const int64_t group = num_heads / num_kv_heads;
-  const int64_t token_stride = num_kv_heads * head_dim;  // between positions in a block
+  const int64_t token_stride = num_kv_heads * width;  // between positions in a block
   const int64_t block_stride = block_size * token_stride;
+  const bool widen = kInt8 && group > 1;
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * head_dim), acc(group * head_dim), probs(group * block_size), mx(group), sum(group);
+    std::vector<float> k_scale(kInt8 ? block_size : 0), v_scale(kInt8 ? block_size : 0);
+    std::vector<float> kf(widen ? block_size * head_dim : 0), vf(widen ? block_size * head_dim : 0);
+    // One block of n rows, `stride` elements apart; ks/vs: the int8 rows' scales (null: none).
+    auto attend_block = [&](const auto* kp, const auto* vp, int64_t stride, const float* ks, const float* vs,
+                            int64_t n, bool first) {
+      for (int64_t g = 0; g < group; ++g) {
+        float* pg = probs.data() + g * block_size;
+        block_scores(qf.data() + g * head_dim, kp, stride, n, head_dim, pg);
+        if (ks)
+          for (int64_t t = 0; t < n; ++t) pg[t] *= ks[t];
+        float block_max = pg[0];
+        for (int64_t t = 1; t < n; ++t) block_max = std::max(block_max, pg[t]);
+        // no infinities: the build uses -ffast-math, which assumes there are none
+        const float new_max = first ? block_max : std::max(mx[g], block_max);
+        const float rescale = first ? 0.f : std::exp(mx[g] - new_max);
+        float block_sum = 0.f;
+#pragma omp simd reduction(+ : block_sum)
+        for (int64_t t = 0; t < n; ++t) {
+          pg[t] = std::exp(pg[t] - new_max);
+          block_sum += pg[t];
+        }
+        sum[g] = sum[g] * rescale + block_sum;
+        mx[g] = new_max;
+        if (vs)  // the value's scale rides on its probability (the sum is taken)
+          for (int64_t t = 0; t < n; ++t) pg[t] *= vs[t];
+        float* ag = acc.data() + g * head_dim;
+        if (rescale != 1.f) {
+#pragma omp simd
+          for (int64_t i = 0; i < head_dim; ++i) ag[i] *= rescale;
+        }
+      }
+      // four values per pass: one load and store of the accumulator per four FMAs
+      int64_t t = 0;
+      for (; t + 4 <= n; t += 4) {
+        const auto* v0 = vp + t * stride;
+        const auto* v1 = v0 + stride;
+        const auto* v2 = v1 + stride;
+        const auto* v3 = v2 + stride;
+        for (int64_t g = 0; g < group; ++g) {
+          const float* pg = probs.data() + g * block_size + t;
+          const float p0 = pg[0], p1 = pg[1], p2 = pg[2], p3 = pg[3];
+          float* ag = acc.data() + g * head_dim;
+#pragma omp simd
+          for (int64_t i = 0; i < head_dim; ++i)
+            ag[i] += p0 * load(v0[i]) + p1 * load(v1[i]) + p2 * load(v2[i]) + p3 * load(v3[i]);
+        }
+      }
+      for (; t < n; ++t) {
+        const auto* vt = vp + t * stride;
+        for (int64_t g = 0; g < group; ++g) {
+          const float p = probs[g * block_size + t];
+          float* ag = acc.data() + g * head_dim;
+#pragma omp simd
+          for (int64_t i = 0; i < head_dim; ++i) ag[i] += p * load(vt[i]);
+        }
+      }
+    };
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task / num_kv_heads, h = task % num_kv_heads;
       const int64_t len = seq_lens[s];
@@ -81,55 +161,33 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int3
       std::fill(sum.begin(), sum.end(), 0.f);
       for (int64_t start = 0; start < len; start += block_size) {
         const int64_t n = std::min(block_size, len - start);
-        const int64_t offset = table[start / block_size] * block_stride + h * head_dim;
-        const T* kp = k_cache + offset;
-        const T* vp = v_cache + offset;
-        for (int64_t g = 0; g < group; ++g) {
-          float* pg = probs.data() + g * block_size;
-          block_scores(qf.data() + g * head_dim, kp, token_stride, n, head_dim, pg);
-          float block_max = pg[0];
-          for (int64_t t = 1; t < n; ++t) block_max = std::max(block_max, pg[t]);
-          // no infinities: the build uses -ffast-math, which assumes there are none
-          const float new_max = start == 0 ? block_max : std::max(mx[g], block_max);
-          const float rescale = start == 0 ? 0.f : std::exp(mx[g] - new_max);
-          float block_sum = 0.f;
-#pragma omp simd reduction(+ : block_sum)
+        const int64_t offset = table[start / block_size] * block_stride + h * width;
+        const C* kp = k_cache + offset;
+        const C* vp = v_cache + offset;
+        if constexpr (kInt8) {
           for (int64_t t = 0; t < n; ++t) {
-            pg[t] = std::exp(pg[t] - new_max);
-            block_sum += pg[t];
+            k_scale[t] = row_scale(kp + t * token_stride, head_dim);
+            v_scale[t] = row_scale(vp + t * token_stride, head_dim);
           }
-          sum[g] = sum[g] * rescale + block_sum;
-          mx[g] = new_max;
-          float* ag = acc.data() + g * head_dim;
-          if (rescale != 1.f) {
+          if (widen) {
+            for (int64_t t = 0; t < n; ++t) {
+              const int8_t* kr = kp + t * token_stride;
+              const int8_t* vr = vp + t * token_stride;
+              float* kd = kf.data() + t * head_dim;
+              float* vd = vf.data() + t * head_dim;
+              const float ksc = k_scale[t], vsc = v_scale[t];
 #pragma omp simd
-            for (int64_t i = 0; i < head_dim; ++i) ag[i] *= rescale;
+              for (int64_t i = 0; i < head_dim; ++i) {
+                kd[i] = load(kr[i]) * ksc;
+                vd[i] = load(vr[i]) * vsc;
+              }
+            }
+            attend_block(kf.data(), vf.data(), head_dim, nullptr, nullptr, n, start == 0);
+          } else {
+            attend_block(kp, vp, token_stride, k_scale.data(), v_scale.data(), n, start == 0);
           }
-        }
-        // four values per pass: one load and store of the accumulator per four FMAs
-        int64_t t = 0;
-        for (; t + 4 <= n; t += 4) {
-          const T* v0 = vp + t * token_stride;
-          const T* v1 = v0 + token_stride;
-          const T* v2 = v1 + token_stride;
-          const T* v3 = v2 + token_stride;
-          for (int64_t g = 0; g < group; ++g) {
-            const float* pg = probs.data() + g * block_size + t;
-            const float p0 = pg[0], p1 = pg[1], p2 = pg[2], p3 = pg[3];
-            float* ag = acc.data() + g * head_dim;
-#pragma omp simd
-            for (int64_t i = 0; i < head_dim; ++i)
-              ag[i] += p0 * load(v0[i]) + p1 * load(v1[i]) + p2 * load(v2[i]) + p3 * load(v3[i]);
-          }
-        }
-        for (; t < n; ++t) {
-          const T* vt = vp + t * token_stride;
-          for (int64_t g = 0; g < group; ++g) {
-            const float p = probs[g * block_size + t];
-            float* ag = acc.data() + g * head_dim;
-#pragma omp simd
-            for (int64_t i = 0; i < head_dim; ++i) ag[i] += p * load(vt[i]);
-          }
+        } else {
+          attend_block(kp, vp, token_stride, nullptr, nullptr, n, start == 0);
         }
       }
       for (int64_t g = 0; g < group; ++g) {
@@ -143,8 +201,63 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int3
 
 }  // namespace
 
+// One int8 KV cache row from n floats, exactly as kernels/reference_ops.quantize_kv_rows:
+// scale = max|x| / 127, round-half-even(x / scale) in [-127, 127] (all 0 when the scale is 0),
+// then the scale's 4 bytes. Compiled without -ffast-math, which would turn the divisions into
+// products by a reciprocal and round some values the other way than the reference.
+#pragma GCC push_options
+#pragma GCC optimize("no-fast-math")
+void quantize_kv_row_int8(const float* x, int64_t n, int8_t* row) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float scale = amax / 127.f;
+  if (scale > 0.f) {
+    for (int64_t i = 0; i < n; ++i)
+      row[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(x[i] / scale))));
+  } else {
+    std::memset(row, 0, n);
+  }
+  std::memcpy(row + n, &scale, sizeof(scale));
+}
+#pragma GCC pop_options
+
+// key, value float32 [n, num_kv_heads, head_dim] → int8 rows at slots[i] of k_cache, v_cache
+// [num_blocks, block_size, num_kv_heads, head_dim + 4] (what kv_store_ref does, in one pass
+// instead of a dozen torch ops per layer).
+void store_kv_int8(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
+                   torch::Tensor slots) {
+  TORCH_CHECK(key.scalar_type() == at::kFloat && value.scalar_type() == at::kFloat, "store_kv_int8: float32 K/V");
+  TORCH_CHECK(k_cache.scalar_type() == at::kChar && v_cache.scalar_type() == at::kChar && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous() && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "store_kv_int8: contiguous int8 caches [blocks, block_size, kv_heads, head_dim + 4]");
+  TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes() && key.size(1) == k_cache.size(2) &&
+                  k_cache.size(3) == key.size(2) + 4, "store_kv_int8: K/V [n, kv_heads, head_dim] for these rows");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == key.size(0),
+              "store_kv_int8: one int64 slot per row");
+  auto kc = key.contiguous();
+  auto vc = value.contiguous();
+  auto sc = slots.contiguous();
+  const int64_t n = kc.size(0), heads = kc.size(1), head_dim = kc.size(2), width = head_dim + 4;
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t* sp = sc.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(sp[i] >= 0 && sp[i] < num_slots, "store_kv_int8: slot beyond the cache");
+  const float* kp = kc.data_ptr<float>();
+  const float* vp = vc.data_ptr<float>();
+  int8_t* kd = k_cache.data_ptr<int8_t>();
+  int8_t* vd = v_cache.data_ptr<int8_t>();
+  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      for (int64_t h = 0; h < heads; ++h) {
+        const int64_t src = (i * heads + h) * head_dim, dst = (sp[i] * heads + h) * width;
+        quantize_kv_row_int8(kp + src, head_dim, kd + dst);
+        quantize_kv_row_int8(vp + src, head_dim, vd + dst);
+      }
+  });
+}
+
 // q [num_seqs, num_heads, head_dim]; k_cache, v_cache [num_blocks, block_size, num_kv_heads,
-// head_dim]; block_tables [num_seqs, max_blocks] int32; seq_lens [num_seqs] int32.
+// width]: width = head_dim in q's dtype, or head_dim + 4 int8 (the values, then the row's
+// float32 scale); block_tables [num_seqs, max_blocks] int32; seq_lens [num_seqs] int32.
 // Returns [num_seqs, num_heads, head_dim].
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
@@ -153,15 +266,33 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt, "int32 tables");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the cache must be contiguous");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "K and V caches of one dtype");
+  const bool int8_cache = k_cache.scalar_type() == at::kChar;
+  const int64_t head_dim = q.size(2), width = k_cache.size(3);
+  if (int8_cache) {
+    TORCH_CHECK(width == head_dim + 4, "an int8 cache row is head_dim int8 values and a float32 scale");
+  } else {
+    TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && width == head_dim,
+                "a float cache has the query's dtype and head_dim");
+  }
   auto qc = q.contiguous();
   auto tables = block_tables.contiguous();
   auto lens = seq_lens.contiguous();
   auto out = torch::empty_like(qc);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
-    decode_attention<scalar_t>(qc.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                               tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), out.data_ptr<scalar_t>(),
-                               qc.size(0), qc.size(1), k_cache.size(2), qc.size(2), k_cache.size(1),
-                               tables.size(1), static_cast<float>(scale));
+    if (int8_cache) {
+      decode_attention<scalar_t, int8_t>(qc.data_ptr<scalar_t>(), k_cache.data_ptr<int8_t>(),
+                                         v_cache.data_ptr<int8_t>(), tables.data_ptr<int32_t>(),
+                                         lens.data_ptr<int32_t>(), out.data_ptr<scalar_t>(), qc.size(0), qc.size(1),
+                                         k_cache.size(2), head_dim, width, k_cache.size(1), tables.size(1),
+                                         static_cast<float>(scale));
+    } else {
+      decode_attention<scalar_t, scalar_t>(qc.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
+                                           v_cache.data_ptr<scalar_t>(), tables.data_ptr<int32_t>(),
+                                           lens.data_ptr<int32_t>(), out.data_ptr<scalar_t>(), qc.size(0),
+                                           qc.size(1), k_cache.size(2), head_dim, width, k_cache.size(1),
+                                           tables.size(1), static_cast<float>(scale));
+    }
   });
   return out;
 }
