@@ -44,6 +44,16 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:
     offline.add_argument("--quantization", default=None, help="weight quantization at load time (int8)")
     offline.add_argument("--quantize-lm-head", action="store_true", help="with --quantization: the LM head too")
     offline.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 2GiB (default: the engine's)")
+    offline.add_argument("--speculative-method", default=None, help="speculative decoding: a proposer (ngram)")
+    offline.add_argument("--num-speculative-tokens", type=int, default=4)
+    offline.add_argument("--prompt-lookup-max", type=int, default=4)
+    offline.add_argument("--prompt-lookup-min", type=int, default=2)
+    offline.add_argument("--speculative-max-batch", type=int, default=None,
+                         help="no drafts in steps with more running sequences (default: the engine's)")
+    offline.add_argument("--compare-speculation", action="store_true",
+                         help="with --speculative-method: also run without it, in the same run, alternating "
+                              "--rounds times")
+    offline.add_argument("--rounds", type=int, default=1, help="with --compare-speculation: runs of each")
     offline.add_argument("--compare", default="", choices=["", "transformers"],
                          help="also run transformers generate (static batches of 16) and generate_batch")
     offline.add_argument("--peers", default="", help="comma list of peers to run: generate,generate_batch")

@@ -198,8 +198,7 @@ class ModelRunner:
             return RunnerOutput(sampled, None)
         logits = self.compute_logits(hidden, batch.sample_rows)  # [num_rows, vocab]
         requests = [entries[i].request for i in batch.sample_entries]
-        verifying = len(batch.sample_entries) > len(set(batch.sample_entries)) or any(
-            e.spec_token_ids for e in entries)
+        verifying = any(e.spec_token_ids for e in entries)
         drafts = draft_prefixes(entries, batch.sample_entries) if verifying else None
         result = self.sampler.sample(logits, self.sampling_inputs.for_rows(requests, drafts))
         for i, token in zip(batch.sample_entries, result.sampled_token_ids.tolist()):
