@@ -109,12 +109,13 @@ def many_prefixes_workload(num_requests: int = 256, vocab_size: int = DEFAULT_VO
     return prompts, [32] * num_requests
 
 
-#: what `grounded` asks of each passage, in turn
+#: what `grounded` asks of each passage, in turn (the passage follows in triple quotes: with
+#: the instruction after the passage, or before it unquoted, the default model follows it less)
 GROUNDED_INSTRUCTIONS = (
-    "Repeat the following passage exactly, word for word.",
-    "Copy the following passage, but write every \"Mr.\" as \"Mister\".",
-    "Copy the following passage, correcting nothing and adding nothing.",
-    "Rewrite the following passage with every name in capital letters, changing nothing else.",
+    "Repeat this text exactly:",
+    "Repeat this text exactly, but write \"Mister\" for \"Mr.\":",
+    "Copy this text without changing anything:",
+    "Repeat this text, with every name in capital letters:",
 )
 
 
@@ -139,7 +140,7 @@ def grounded_workload(tokenizer, num_requests: int = 16, output_len: int = 256) 
             continue  # a lone paragraph too short, or one too long to start with
         instruction = GROUNDED_INSTRUCTIONS[len(prompts) % len(GROUNDED_INSTRUCTIONS)]
         passage = "\n\n".join(paragraphs[start:end])
-        messages = [{"role": "user", "content": f"{instruction}\n\n{passage}"}]
+        messages = [{"role": "user", "content": f'{instruction}\n\n"""\n{passage}\n"""'}]
         chat = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         prompts.append(tokenizer.encode(chat, add_special_tokens=False))
     return prompts, [output_len] * num_requests
