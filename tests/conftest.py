@@ -58,6 +58,7 @@ TINY_MODELS = {
     "qwen3": ("qwen3", {"num_attention_heads": 7, "num_key_value_heads": 1, "hidden_size": 112, "head_dim": 16}),
     "mistral": ("mistral", {}),
     "llama-tied": ("llama", {"tie_word_embeddings": True}),  # the LM head is the embedding, as in SmolLM2
+    "llama-vocab8": ("llama", {"vocab_size": 8}),  # distributions small enough to test by counting
 }
 
 

@@ -46,6 +46,16 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:
     offline.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 2GiB (default: the engine's)")
     offline.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3"],
                          help="KV cache element type (int8: rows with a float32 scale; fp8_e4m3: CUDA only)")
+    offline.add_argument("--speculative-method", default=None, help="speculative decoding: a proposer (ngram)")
+    offline.add_argument("--num-speculative-tokens", type=int, default=4)
+    offline.add_argument("--prompt-lookup-max", type=int, default=4)
+    offline.add_argument("--prompt-lookup-min", type=int, default=2)
+    offline.add_argument("--speculative-max-batch", type=int, default=None,
+                         help="no drafts in steps with more running sequences (default: the engine's)")
+    offline.add_argument("--compare-speculation", action="store_true",
+                         help="with --speculative-method: also run without it, in the same run, alternating "
+                              "--rounds times")
+    offline.add_argument("--rounds", type=int, default=1, help="with --compare-speculation: runs of each")
     offline.add_argument("--compare", default="", choices=["", "transformers"],
                          help="also run transformers generate (static batches of 16) and generate_batch")
     offline.add_argument("--peers", default="", help="comma list of peers to run: generate,generate_batch")

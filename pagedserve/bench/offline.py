@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from pagedserve.bench.metrics import latency_stats
-from pagedserve.bench.workloads import workload
+from pagedserve.bench.workloads import grounded_workload, workload
 
 
 def run_pagedserve(args, prompts, out_lens):
@@ -33,7 +33,7 @@ def run_pagedserve(args, prompts, out_lens):
               max_num_seqs=int(str(args.max_num_seqs).split(",")[0]), enable_prefix_caching=not args.no_prefix_caching,
               kv_cache_memory=kv_bytes, quantization=getattr(args, "quantization", None),
               quantize_lm_head=getattr(args, "quantize_lm_head", False),
-              kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
+              kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"), **speculative_options(args))
     engine = llm.engine
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in out_lens]
     # warm-up on tokens no workload uses, so it leaves nothing in the prefix cache to hit
@@ -67,7 +67,25 @@ def run_pagedserve(args, prompts, out_lens):
                  cached_prompt_tokens=sum(o.num_cached_tokens for o in outs))
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     assert produced == sum(out_lens), (produced, sum(out_lens))
+    if engine.speculator is not None:
+        c = engine.speculator.counters
+        extra["speculative"] = {"proposer": engine.speculator.name, "proposed": c.num_proposed, "verified": c.num_drafts,
+                                "accepted": c.num_accepted, "acceptance_rate": c.acceptance_rate,
+                                "mean_accepted_length": c.mean_accepted_length, "paused": c.num_paused,
+                                "steps_off": c.num_steps_off}
     return elapsed, extra
+
+
+def speculative_options(args) -> dict[str, Any]:
+    """The LLM options of the bench's --speculative-* flags (none without a method)."""
+    method = getattr(args, "speculative_method", None)
+    if not method:
+        return {}
+    options = {"speculative_method": method, "num_speculative_tokens": args.num_speculative_tokens,
+               "prompt_lookup_max": args.prompt_lookup_max, "prompt_lookup_min": args.prompt_lookup_min}
+    if args.speculative_max_batch is not None:
+        options["speculative_max_batch"] = args.speculative_max_batch
+    return options
 
 
 def load_hf(args):
@@ -130,8 +148,12 @@ def run(args: argparse.Namespace) -> int:
 
     from pagedserve.common.model_store import resolve_model
 
-    vocab = AutoConfig.from_pretrained(resolve_model(args.model)).vocab_size
-    prompts, out_lens = workload(args.workload, vocab)
+    if args.workload == "grounded":
+        from transformers import AutoTokenizer
+
+        prompts, out_lens = grounded_workload(AutoTokenizer.from_pretrained(resolve_model(args.model)))
+    else:
+        prompts, out_lens = workload(args.workload, AutoConfig.from_pretrained(resolve_model(args.model)).vocab_size)
     num_out, num_total = sum(out_lens), sum(out_lens) + sum(len(p) for p in prompts)
     # name → (args, prompts, out_lens) -> (seconds, extra figures)
     systems: dict[str, Callable[..., tuple[float, dict[str, Any]]]] = {"pagedserve": run_pagedserve, "generate": run_hf_generate, "generate_batch": run_hf_generate_batch}
@@ -139,6 +161,16 @@ def run(args: argparse.Namespace) -> int:
     if args.workload == "shared-prefix":  # the point of this workload: caching on against off
         systems["pagedserve (no prefix cache)"] = lambda a, p, o: run_pagedserve(argparse.Namespace(**{**vars(a), "no_prefix_caching": True}), p, o)
         names.insert(1, "pagedserve (no prefix cache)")
+    if getattr(args, "compare_speculation", False) and getattr(args, "speculative_method", None):
+        # speculation on and off, alternated round by round so drift hits both alike
+        plain = argparse.Namespace(**{**vars(args), "speculative_method": None})
+        names = []
+        for i in range(args.rounds):
+            on, off = f"pagedserve +{args.speculative_method} #{i + 1}", f"pagedserve #{i + 1}"
+            systems[on] = run_pagedserve
+            systems[off] = lambda a, p, o: run_pagedserve(plain, p, o)
+            names += [on, off]
+        names += [p for p in args.peers.split(",") if p]
     sweep = [int(n) for n in str(args.max_num_seqs).split(",")]
     if len(sweep) > 1:  # a concurrency sweep of pagedserve; peers run once
         for n in sweep:
@@ -165,6 +197,11 @@ def run(args: argparse.Namespace) -> int:
         ttft = f"{t['mean_ms'] / 1000:.2f}/{t['median_ms'] / 1000:.2f}/{t['p99_ms'] / 1000:.2f}" if t else "-"
         print(f"{r['system']:30} {r['seconds']:8.1f} {r['output_tok_s']:10.1f} {r['total_tok_s']:12.1f} "
               f"{base['output_tok_s'] / r['output_tok_s']:13.2f} {ttft:>24}")
+    for r in rows:
+        if spec := r.get("speculative"):
+            print(f"{r['system']}: {spec['proposer']} proposed {spec['proposed']}, verified {spec['verified']}, "
+                  f"accepted {spec['accepted']} ({spec['acceptance_rate']:.1%}), mean accepted length "
+                  f"{spec['mean_accepted_length']:.2f}, pauses {spec['paused']}, steps off {spec['steps_off']}")
     print(f"pagedserve wall time outside the model forward: {base['outside_forward_share']:.1%} "
           f"(of which outside ModelRunner.run, i.e. scheduling/detokenizing/bookkeeping: {base['outside_runner_share']:.1%})")
     if args.json:

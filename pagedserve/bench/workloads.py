@@ -11,6 +11,7 @@ is `numpy.random.default_rng(seed).integers(100, vocab_size - 100, size=prompt_l
 | `serve`         | 200      | as `mixed`                                     | as `mixed`             |
 | `multi-turn`    | 16 conversations × 6 turns: each turn's prompt is the conversation so far | 32 |
 | `many-prefixes` | 256      | one of 32 system prompts of 1024..2048 (seed 5) + 32 (seed 6) | 32       |
+| `grounded`      | 16       | an instruction + a passage of 128..512 tokens of bench/data/jekyll_hyde.txt | 256 |
 
 `multi-turn` (seed 4): each turn adds a user message of uniform 32..256 tokens, and the
 prompt of turn t is every earlier user message and assistant answer, then the new user
@@ -20,6 +21,10 @@ turn t-1's prompt can reuse all of it. A conversation's turns are sent one after
 each when the previous one has finished; conversations run concurrently.
 `many-prefixes` picks each request's system prompt uniformly (seed 6); only the system
 prompts are shared, so the hit rate a cache can reach depends on how many prefixes it keeps.
+`grounded` (seed 7, text, so it needs the model's tokenizer: `grounded_workload`): each
+request asks, through the chat template, to repeat or lightly edit a passage of its own
+prompt (whole paragraphs of the Stevenson text, 128..512 tokens), the case speculative
+decoding by prompt lookup is for.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ Workload = tuple[list[list[int]], list[int]]  # (prompts as token ids, output le
 Conversation = list[tuple[list[int], int]]
 
 #: the workloads `bench offline` runs in-process; `serve` is `bench serve`'s, over HTTP
-OFFLINE_WORKLOADS = ("fixed", "mixed", "shared-prefix")
+OFFLINE_WORKLOADS = ("fixed", "mixed", "shared-prefix", "grounded")
 SERVE_WORKLOADS = ("serve", "multi-turn", "many-prefixes")
 DEFAULT_VOCAB_SIZE = 49152  # SmolLM2's, the default model
 
@@ -104,6 +109,43 @@ def many_prefixes_workload(num_requests: int = 256, vocab_size: int = DEFAULT_VO
     return prompts, [32] * num_requests
 
 
+#: what `grounded` asks of each passage, in turn (the passage follows in triple quotes: with
+#: the instruction after the passage, or before it unquoted, the default model follows it less)
+GROUNDED_INSTRUCTIONS = (
+    "Repeat this text exactly:",
+    "Repeat this text exactly, but write \"Mister\" for \"Mr.\":",
+    "Copy this text without changing anything:",
+    "Repeat this text, with every name in capital letters:",
+)
+
+
+def grounded_workload(tokenizer, num_requests: int = 16, output_len: int = 256) -> Workload:
+    """`num_requests` chat prompts (the model's template) that each ask to repeat or lightly
+    edit a passage of 128..512 tokens: whole paragraphs of bench/data/jekyll_hyde.txt from a
+    paragraph drawn with seed 7, as many as stay under 512 tokens (at least 128)."""
+    from pathlib import Path  # noqa: PLC0415 - only this workload reads the text
+
+    text = (Path(__file__).parent / "data" / "jekyll_hyde.txt").read_text(encoding="utf-8")
+    paragraphs = [" ".join(p.split()) for p in text.split("\n\n") if len(p.split()) >= 20]
+    lengths = [len(tokenizer.encode(p, add_special_tokens=False)) for p in paragraphs]
+    rng = np.random.default_rng(7)
+    prompts: list[list[int]] = []
+    while len(prompts) < num_requests:
+        start = int(rng.integers(len(paragraphs)))
+        end, size = start, 0
+        while end < len(paragraphs) and size + lengths[end] <= 512:
+            size += lengths[end]
+            end += 1
+        if size < 128:
+            continue  # a lone paragraph too short, or one too long to start with
+        instruction = GROUNDED_INSTRUCTIONS[len(prompts) % len(GROUNDED_INSTRUCTIONS)]
+        passage = "\n\n".join(paragraphs[start:end])
+        messages = [{"role": "user", "content": f'{instruction}\n\n"""\n{passage}\n"""'}]
+        chat = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        prompts.append(tokenizer.encode(chat, add_special_tokens=False))
+    return prompts, [output_len] * num_requests
+
+
 _BUILDERS = {
     "fixed": (fixed_workload, 64),
     "mixed": (mixed_workload, 64),
@@ -119,7 +161,8 @@ def workload(name: str, vocab_size: int = DEFAULT_VOCAB_SIZE, num_requests: int 
     defines it; `num_requests` overrides the defined count (for `mixed` and `serve` that
     changes every prompt, since all lengths are drawn before the ids)."""
     if name not in _BUILDERS:
-        raise InvalidParameterError("workload", f"unknown workload {name!r}; known: {', '.join(_BUILDERS)}")
+        known = ", ".join([*_BUILDERS, "grounded (grounded_workload: it needs the tokenizer)"])
+        raise InvalidParameterError("workload", f"unknown workload {name!r}; known: {known}")
     build, count = _BUILDERS[name]
     return build(count if num_requests is None else num_requests, vocab_size)
 

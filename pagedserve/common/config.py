@@ -29,6 +29,36 @@ def quantization_methods() -> list[str]:
     return sorted({ep.name for ep in entry_points(group="pagedserve.quantization")})
 
 
+def proposer_methods() -> list[str]:
+    """The names in the `pagedserve.proposers` entry-point group (the built-in: ngram)."""
+    from importlib.metadata import entry_points
+
+    return sorted({ep.name for ep in entry_points(group="pagedserve.proposers")})
+
+
+#: the most drafts a sequence may verify in one step
+MAX_SPECULATIVE_TOKENS = 16
+
+#: `LLM(speculative={...})` keys → EngineConfig fields
+SPECULATIVE_KEYS = {
+    "method": "speculative_method",
+    "num_speculative_tokens": "num_speculative_tokens",
+    "prompt_lookup_max": "prompt_lookup_max",
+    "prompt_lookup_min": "prompt_lookup_min",
+    "max_batch": "speculative_max_batch",
+    "min_acceptance": "speculative_min_acceptance",
+    "pause_steps": "speculative_pause_steps",
+}
+
+
+def speculative_options(settings: dict) -> dict:
+    """EngineConfig fields from a vLLM-style `speculative` dict (`{"method": "ngram", ...}`)."""
+    unknown = sorted(set(settings) - set(SPECULATIVE_KEYS))
+    if unknown:
+        raise InvalidParameterError("speculative", f"unknown keys {unknown}; known: {sorted(SPECULATIVE_KEYS)}")
+    return {SPECULATIVE_KEYS[key]: value for key, value in settings.items()}
+
+
 class EngineConfig(msgspec.Struct, kw_only=True):
     """Everything that shapes one worker's engine."""
 
@@ -67,6 +97,18 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     #: the Redis that holds the tier; None: `serve`'s workers use the queue's Redis
     kv_tier_url: str | None = None
     kv_tier_timeout: float = 2.0  # seconds a new request waits for its tier lookup; past it, it computes
+    #: speculative decoding: an entry point in pagedserve.proposers (ngram: prompt lookup);
+    #: None: off. Drafts are verified in one step; the output is exactly the target's
+    speculative_method: str | None = None
+    num_speculative_tokens: int = 4  # drafts proposed per sequence and step, at most
+    prompt_lookup_max: int = 4  # ngram: the longest suffix n-gram looked up in the sequence
+    prompt_lookup_min: int = 2  # ngram: the shortest
+    #: no drafts in a step where more sequences than this run (their verification costs
+    #: more than it saves); measured in docs/performance.md, "Speculative decoding"
+    speculative_max_batch: int = 4
+    #: a sequence whose recent drafts were accepted less than this share pauses proposing
+    speculative_min_acceptance: float = 0.25
+    speculative_pause_steps: int = 16  # how many steps such a sequence pauses
     seed: int = 0  # seeds the sampler of requests that give no seed
     num_threads: int | None = None  # torch CPU threads; None: torch's default
 
@@ -110,6 +152,21 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                                         f"got {self.kv_cache_dtype!r}")
         if self.kv_cache_dtype == "fp8_e4m3" and self.device == "cpu":
             raise InvalidParameterError("kv_cache_dtype", "fp8_e4m3 needs a CUDA device; on CPU use int8")
+        if self.speculative_method is not None:
+            proposers = proposer_methods()
+            if self.speculative_method not in proposers:
+                raise InvalidParameterError("speculative_method", f"unknown method {self.speculative_method!r}; "
+                                            f"choices: {', '.join(proposers) or 'none installed'}")
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise InvalidParameterError("num_speculative_tokens", f"must be in [1, {MAX_SPECULATIVE_TOKENS}]")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise InvalidParameterError("prompt_lookup_min", "must be >= 1 and <= prompt_lookup_max")
+        if self.speculative_max_batch < 1:
+            raise InvalidParameterError("speculative_max_batch", "must be >= 1")
+        if not 0 <= self.speculative_min_acceptance <= 1:
+            raise InvalidParameterError("speculative_min_acceptance", "must be in [0, 1]")
+        if self.speculative_pause_steps < 1:
+            raise InvalidParameterError("speculative_pause_steps", "must be >= 1")
         if self.quantization is not None:
             methods = quantization_methods()
             if self.quantization not in methods:

@@ -52,6 +52,9 @@ class StepStats:
     prefix_cache_hits: int  # of those, blocks found (in the pool, or loaded from the KV tier)
     inter_token_latencies: tuple[float, ...]  # per request that had a token before: seconds since its last one
     prefix_cache_tier_hits: int = 0  # of the hits, blocks loaded from the shared KV tier for them
+    num_verifications: int = 0  # speculative decoding: sequences that verified drafts this step
+    num_draft_tokens: int = 0  # draft tokens the step verified
+    num_accepted_tokens: int = 0  # of those, accepted (each one a token gained over plain decoding)
 
     @property
     def duration(self) -> float:

@@ -61,6 +61,7 @@ class FCFSScheduler(SchedulerPlugin):
         scheduled: dict[Request, int] = {}  # request → tokens this step, in order
         preempted: list[Request] = []
 
+        drafts: dict[Request, list[int]] = {}  # speculative decoding: drafts verified this step
         for request in list(self.running):
             if budget == 0:
                 break
@@ -68,16 +69,24 @@ class FCFSScheduler(SchedulerPlugin):
                 continue  # preempted earlier in this loop
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             assert num_new > 0, f"running request {request.request_id} has nothing to compute"
-            while not self.kv.allocate_slots(request, num_new):
+            # A decoding request's drafts ride along as lookahead tokens, within the budget.
+            spec = request.spec_token_ids[: budget - 1] if num_new == 1 else []
+            while not self.kv.allocate_slots(request, num_new + len(spec)):
+                if spec:
+                    spec = []  # no blocks for the lookahead: decode one token, preempt nobody
+                    continue
                 victim = self._pick_victim(request)
                 budget += scheduled.pop(victim, 0)
+                drafts.pop(victim, None)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
                     break
             else:
-                scheduled[request] = num_new
-                budget -= num_new
+                scheduled[request] = num_new + len(spec)
+                budget -= num_new + len(spec)
+                if spec:
+                    drafts[request] = spec
 
         # Admit waiting requests only when nothing was preempted: blocks are short.
         if self.waiting and not preempted:
@@ -114,7 +123,7 @@ class FCFSScheduler(SchedulerPlugin):
             for request in admitted:
                 self.waiting.remove(request)
 
-        out = [ScheduledRequest(r, n, self.kv.block_ids(r)) for r, n in scheduled.items()]
+        out = [ScheduledRequest(r, n, self.kv.block_ids(r), drafts.get(r, [])) for r, n in scheduled.items()]
         return SchedulerOutput(out, self.max_num_batched_tokens - budget, preempted)
 
     def _blocks_in_flight(self, scheduled: dict[Request, int]) -> set[bytes]:
@@ -154,25 +163,30 @@ class FCFSScheduler(SchedulerPlugin):
         self.waiting.appendleft(request)
 
     def update(self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput) -> list[SequenceUpdate]:
-        """Count the computed tokens, append sampled tokens, and end finished sequences."""
+        """Count the computed tokens, append the new tokens, and end finished sequences."""
         updates = []
         for i, entry in enumerate(scheduler_output.scheduled):
             request = entry.request
             if request.status != RequestStatus.RUNNING:
                 continue
-            request.num_computed_tokens += entry.num_new_tokens
-            self.kv.cache_full_blocks(request)
-            token = runner_output.sampled_token_ids[i]
-            if token is None:
-                continue  # a prefill chunk that did not reach the end of the prompt
-            request.token_ids.append(token)
-            if request.first_token_time is None:
+            tokens = runner_output.sampled_token_ids[i]
+            # rejected drafts had their K/V computed, but it is not the sequence's: not counted
+            request.num_computed_tokens += entry.num_new_tokens - runner_output.num_rejected(i, len(entry.spec_token_ids))
+            logprobs = runner_output.logprobs[i] if runner_output.logprobs is not None else None
+            status = None
+            for j, token in enumerate(tokens):
+                request.token_ids.append(token)
+                status = request.stop_status(token)
+                updates.append(SequenceUpdate(request, token, logprobs[j] if logprobs else None, status is not None))
+                if status is not None:
+                    break  # the tokens after a stop are dropped
+            if tokens and request.first_token_time is None:
                 request.first_token_time = time.monotonic()
-            status = request.stop_status(token)
+            # only tokens before the last one appended have K/V (fewer when a stop cut the list)
+            request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - (1 if tokens else 0))
+            self.kv.cache_full_blocks(request)
             if status is not None:
                 self._finish(request, status)
-            logprobs = runner_output.logprobs[i] if runner_output.logprobs is not None else None
-            updates.append(SequenceUpdate(request, token, logprobs))
         return updates
 
     def finish_requests(self, request_ids: Sequence[str], status: RequestStatus) -> list[Request]:

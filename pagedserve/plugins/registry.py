@@ -18,6 +18,7 @@ GROUPS = {
     "models": "pagedserve.models",
     "routers": "pagedserve.routers",
     "quantization": "pagedserve.quantization",
+    "proposers": "pagedserve.proposers",
 }
 
 

@@ -60,7 +60,7 @@ class WorkerMetrics:
     after each pass (`WorkerService._observe`), `set_state` on passes without a step, and
     `observe_queue_time` when it takes a request from the queue."""
 
-    def __init__(self, registry: CollectorRegistry, model_name: str, block_size: int):
+    def __init__(self, registry: CollectorRegistry, model_name: str, block_size: int, proposer: str | None = None):
         self.block_size = block_size  # prefix-cache lookups are counted in blocks; exported in tokens, like vLLM
         labels = ["model_name"]
 
@@ -108,6 +108,18 @@ class WorkerMetrics:
         self.queue_time = histogram("request_queue_time_seconds",
                                     "Seconds from admission by the gateway until a worker took the request.",
                                     REQUEST_LATENCY_BUCKETS)
+        # speculative decoding, by proposer (vLLM's names); none without a proposer
+        self.spec: tuple[Counter, Counter, Counter] | None = None
+        if proposer is not None:
+            def spec_counter(name: str, doc: str) -> Counter:
+                return Counter(PREFIX + name, doc, [*labels, "proposer"], registry=registry).labels(model_name, proposer)
+
+            self.spec = (
+                spec_counter("spec_decode_num_drafts", "Sequence steps that verified draft tokens."),
+                spec_counter("spec_decode_num_draft_tokens", "Draft tokens verified."),
+                spec_counter("spec_decode_num_accepted_tokens", "Draft tokens accepted (each one a token gained over "
+                             "plain decoding). Mean accepted length: accepted tokens / drafts."),
+            )
         self.steals = counter("requests_stolen", "Requests this worker took from another worker's routed stream "
                               "(that worker busy past steal_after, or dead).")
 
@@ -131,6 +143,10 @@ class WorkerMetrics:
             self.prompt_tokens.inc(step.num_prompt_tokens)
         if step.num_generated_tokens:
             self.generation_tokens.inc(step.num_generated_tokens)
+        if self.spec is not None and step.num_verifications:
+            for counter, value in zip(self.spec, (step.num_verifications, step.num_draft_tokens,
+                                                  step.num_accepted_tokens)):
+                counter.inc(value)
         for latency in step.inter_token_latencies:
             self.itl.observe(latency)
 

@@ -1,6 +1,6 @@
 """`Engine`: one worker's step loop, usable in-process.
 
-    deltas = engine.step()   # schedule → run → update → process outputs
+    deltas = engine.step()   # schedule → run → update → process outputs (→ propose drafts)
 
 Set-up is each part's own: the `ModelRunner` builds the model, the kernels, the KV cache
 tensors, the CUDA graphs and the sampler plugin; the `KVCacheManager` hands out blocks; the
@@ -32,6 +32,7 @@ from pagedserve.worker.kv_cache_manager import KVCacheManager
 from pagedserve.worker.kv_tier import KVTier
 from pagedserve.worker.model_runner import ModelRunner
 from pagedserve.worker.output_processor import OutputProcessor
+from pagedserve.worker.speculative import Speculator
 from pagedserve.worker.step_stats import StepStatsCollector
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,10 @@ class Engine:
         self.input_processor = InputProcessor(self.tokenizer, self.hf_config.vocab_size, self.max_model_len,
                                               config.max_n, self._eos_token_ids(), self.runner.device)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.speculator: Speculator | None = None  # speculative decoding (config.speculative_method)
+        if config.speculative_method is not None:
+            proposer = load_plugin("proposers", config.speculative_method)(config)
+            self.speculator = Speculator(config, proposer, config.speculative_method)
         self.stats = StepStatsCollector(self.kv_manager.pool.stats)
         self.last_step: StepStats | None = None  # what the latest step did (None: it computed nothing, or failed)
         self.kv_tier: KVTier | None = None  # the shared KV tier (kv_tier_memory > 0 and a URL)
@@ -126,6 +131,8 @@ class Engine:
         sequence_ids = self.output_processor.sequence_ids(request_id)
         if self.kv_tier is not None:
             self.kv_tier.drop(set(sequence_ids))
+        if self.speculator is not None:
+            self.speculator.finish(sequence_ids)
         self.scheduler.finish_requests(sequence_ids, RequestStatus.FINISHED_ABORTED)
         delta = self.output_processor.end(request_id, finish_reason)
         if delta is not None and record:
@@ -165,7 +172,11 @@ class Engine:
             return self._fail(scheduled, exc)
         processed = self.output_processor.process(self.scheduler.update(scheduled, ran))
         self.scheduler.finish_requests(processed.stopped, RequestStatus.FINISHED_STOPPED)
-        self.last_step = self._step_stats(started, scheduled, processed.deltas)
+        verified = (0, 0, 0)
+        if self.speculator is not None:  # what the drafts gained, and the next step's drafts
+            verified = self.speculator.record(scheduled, ran)
+            self.speculator.propose(scheduled, self.scheduler.num_running)
+        self.last_step = self._step_stats(started, scheduled, processed.deltas, verified)
         return processed.deltas
 
     def kv_cache_usage(self) -> float:
@@ -173,9 +184,11 @@ class Engine:
         kv = self.kv_manager
         return 1.0 - kv.num_free_blocks / kv.num_blocks
 
-    def _step_stats(self, started: float, scheduled: SchedulerOutput, deltas: list[RequestDelta]) -> StepStats:
+    def _step_stats(self, started: float, scheduled: SchedulerOutput, deltas: list[RequestDelta],
+                    verified: tuple[int, int, int]) -> StepStats:
         return self.stats.step(started, scheduled, deltas, num_running=self.scheduler.num_running,
-                               num_waiting=self.scheduler.num_waiting, kv_cache_usage=self.kv_cache_usage())
+                               num_waiting=self.scheduler.num_waiting, kv_cache_usage=self.kv_cache_usage(),
+                               verified=verified)
 
     def _fail(self, scheduled: SchedulerOutput, exc: Exception) -> list[RequestDelta]:
         """End the step's requests with an error the caller sees; their blocks are freed."""
@@ -184,6 +197,8 @@ class Engine:
         deltas = []
         for request_id in request_ids:
             seq_ids = self.output_processor.sequence_ids(request_id)
+            if self.speculator is not None:
+                self.speculator.finish(seq_ids)
             self.scheduler.finish_requests(seq_ids, RequestStatus.FINISHED_ABORTED)
             delta = self.output_processor.end(request_id, "error", error=f"{type(exc).__name__}: {exc}")
             if delta is not None:

@@ -1,8 +1,8 @@
 """`InputProcessor`: a caller's request in, validated sequences out.
 
 It tokenizes text prompts, checks token ids and the context length, resolves `max_tokens`,
-and fans a request out into its n sequences (each with its own seeded generator; siblings
-share the prompt's KV blocks). A request resumed from another worker starts each sequence
+and fans a request out into its n sequences (a seeded request's sequence i draws with seed + i;
+siblings share the prompt's KV blocks). A request resumed from another worker starts each sequence
 after the tokens the client already has.
 """
 
@@ -85,14 +85,11 @@ class InputProcessor:
             if prior is not None and prior.finish_reason is not None:
                 sequences.append(None)  # nothing left to generate for this one
                 continue
-            generator = None
-            if params.seed is not None:
-                generator = torch.Generator(device=self.device)
-                generator.manual_seed((params.seed + index) % 2**64)  # any int: negative or huge
+            seed = None if params.seed is None else (params.seed + index) % 2**64  # any int: negative or huge
             seq = Request(
                 request_id=request_id if params.n == 1 else f"{request_id}#{index}", prompt_token_ids=token_ids,
                 sampling_params=params, eos_token_ids=self.eos_token_ids, max_tokens=max_tokens,
-                parent_id=request_id, index=index, fork_from=first, generator=generator, cache_salt=cache_salt,
+                parent_id=request_id, index=index, fork_from=first, seed=seed, cache_salt=cache_salt,
                 tenant=tenant,
             )
             if prior is not None:

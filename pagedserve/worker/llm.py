@@ -7,7 +7,7 @@ import numbers
 from collections.abc import Sequence
 from typing import Any, cast
 
-from pagedserve.common.config import DEFAULT_MODEL, EngineConfig
+from pagedserve.common.config import DEFAULT_MODEL, EngineConfig, speculative_options
 from pagedserve.common.errors import InvalidParameterError
 from pagedserve.common.outputs import RequestOutput
 from pagedserve.common.sampling_params import SamplingParams
@@ -24,7 +24,11 @@ class LLM:
         llm.generate(["Hello", [1, 2, 3]], SamplingParams(max_tokens=8, temperature=0))
     """
 
-    def __init__(self, model: str = DEFAULT_MODEL, **engine_options):
+    def __init__(self, model: str = DEFAULT_MODEL, speculative: dict | None = None, **engine_options):
+        """`engine_options` are EngineConfig fields; `speculative` ({"method": "ngram",
+        "num_speculative_tokens": 4, "prompt_lookup_max": 4, ...}) sets its speculative_* fields."""
+        if speculative:
+            engine_options.update(speculative_options(speculative))
         self.engine = Engine(EngineConfig(model=model, **engine_options))
         self._ids = itertools.count()
 

@@ -34,6 +34,7 @@ from pagedserve.worker.device import resolve_device, resolve_dtype
 from pagedserve.worker.kv_cache_pool import KVCachePool, KVCacheSpec, resolve_kv_cache_dtype
 from pagedserve.worker.model_loader import load_model
 from pagedserve.worker.sampling_inputs import SamplingInputs, sampled_logprobs
+from pagedserve.worker.speculative import draft_prefixes, verify
 
 logger = logging.getLogger(__name__)
 
@@ -110,41 +111,58 @@ class ModelRunner:
         return self.sample(hidden, model_input, scheduler_output.scheduled)
 
     def prepare_inputs(self, entries: list[ScheduledRequest]) -> ModelInput:
-        """The step's flat batch on the host: decodes (one query token) first, because the
-        attention backends batch them, then prefill chunks."""
+        """The step's flat batch on the host: one-token queries first, because the attention
+        backends batch them, then prefill chunks. An entry that verifies k drafts is k + 1
+        one-token rows of its sequence (positions p..p+k, each attending to the context up
+        to itself): every backend writes a step's K/V before it attends, so these rows see
+        each other's keys exactly as one causal chunk would, and a decode-only step of them
+        still runs the decode fast paths."""
         if all(e.num_new_tokens == 1 for e in entries):
             return self._prepare_decodes(entries)
         return self._prepare_mixed(entries)
 
     def _prepare_mixed(self, entries: list[ScheduledRequest]) -> ModelInput:
-        order = [i for i, e in enumerate(entries) if e.num_new_tokens == 1]
-        order += [i for i, e in enumerate(entries) if e.num_new_tokens != 1]
+        is_rows = [e.num_new_tokens == 1 or bool(e.spec_token_ids) for e in entries]  # one-token rows
+        order = [i for i, rows in enumerate(is_rows) if rows] + [i for i, rows in enumerate(is_rows) if not rows]
         bs = self.block_size
-        query_lens = [entries[i].num_new_tokens for i in order]
-        max_blocks = max(len(entries[i].block_ids) for i in order)
-        block_tables = np.zeros((len(order), max_blocks), dtype=np.int32)
+        max_blocks = max(len(e.block_ids) for e in entries)
+        tables = np.zeros((len(entries), max_blocks), dtype=np.int32)
+        for i, e in enumerate(entries):
+            tables[i, : len(e.block_ids)] = e.block_ids
         ids: list[int] = []
-        pos_parts, slot_parts = [], []
-        seq_lens = []
+        pos_parts, query_lens, seq_lens, table_rows = [], [], [], []
         sample_rows, sample_entries = [], []
-        offset = 0
-        for row, i in enumerate(order):
+        offset = num_decodes = 0
+        for i in order:
             entry = entries[i]
             request, n = entry.request, entry.num_new_tokens
             start = request.num_computed_tokens
             end = start + n
-            block_tables[row, : len(entry.block_ids)] = entry.block_ids
             ids.extend(request.token_ids[start:end])
+            ids.extend(entry.spec_token_ids)  # past the request's tokens: only drafts
             pos = np.arange(start, end)
             pos_parts.append(pos)
-            slot_parts.append(block_tables[row, pos // bs].astype(np.int64) * bs + pos % bs)
-            seq_lens.append(end)
+            if is_rows[i]:
+                query_lens += [1] * n
+                seq_lens += list(range(start + 1, end + 1))
+                table_rows += [i] * n
+                num_decodes += n
+            else:
+                query_lens.append(n)
+                seq_lens.append(end)
+                table_rows.append(i)
             offset += n
-            if end == request.num_tokens:  # the prompt is done: this step yields a token
+            if entry.spec_token_ids:  # every position of a verification is sampled
+                sample_rows += list(range(offset - n, offset))
+                sample_entries += [i] * n
+            elif end == request.num_tokens:  # the prompt is done: this step yields a token
                 sample_rows.append(offset - 1)
                 sample_entries.append(i)
-        return ModelInput(ids, np.concatenate(pos_parts), np.concatenate(slot_parts), query_lens, seq_lens,
-                          block_tables, sum(1 for n in query_lens if n == 1), sample_rows, sample_entries)
+        positions = np.concatenate(pos_parts)
+        entry_of_token = np.repeat(np.array(order), [entries[i].num_new_tokens for i in order])
+        slots = tables[entry_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        return ModelInput(ids, positions, slots, query_lens, seq_lens, tables[table_rows], num_decodes,
+                          sample_rows, sample_entries)
 
     def _prepare_decodes(self, entries: list[ScheduledRequest]) -> ModelInput:
         """`prepare_inputs` for a step of one token per sequence, in array operations: the
@@ -182,16 +200,27 @@ class ModelRunner:
         return self.model(input_ids, positions, metadata, self.kv_caches)
 
     def sample(self, hidden: torch.Tensor, batch: ModelInput, entries: list[ScheduledRequest]) -> RunnerOutput:
-        """One token per entry whose prompt is complete, and the logprobs asked for."""
-        sampled: list[int | None] = [None] * len(entries)
+        """The new tokens of each entry whose prompt is complete, and the logprobs asked for.
+        An entry with drafts keeps those its target samples agree with (`verify`)."""
+        sampled: list[list[int]] = [[] for _ in entries]
         if not batch.sample_entries:
             return RunnerOutput(sampled, None)
-        logits = self.compute_logits(hidden, batch.sample_rows)  # [num_sampled, vocab]
+        logits = self.compute_logits(hidden, batch.sample_rows)  # [num_rows, vocab]
         requests = [entries[i].request for i in batch.sample_entries]
-        result = self.sampler.sample(logits, self.sampling_inputs.for_rows(requests))
+        verifying = any(e.spec_token_ids for e in entries)
+        drafts = draft_prefixes(entries, batch.sample_entries) if verifying else None
+        result = self.sampler.sample(logits, self.sampling_inputs.for_rows(requests, drafts))
         for i, token in zip(batch.sample_entries, result.sampled_token_ids.tolist()):
-            sampled[i] = token
-        return RunnerOutput(sampled, sampled_logprobs(result, requests, batch.sample_entries, len(entries)))
+            sampled[i].append(token)
+        logprobs = sampled_logprobs(result, requests, batch.sample_entries, len(entries))
+        if verifying:
+            for i, entry in enumerate(entries):
+                if entry.spec_token_ids:
+                    sampled[i] = verify(entry.spec_token_ids, sampled[i])
+                    entry_logprobs = logprobs[i] if logprobs is not None else None
+                    if logprobs is not None and entry_logprobs is not None:
+                        logprobs[i] = entry_logprobs[: len(sampled[i])]
+        return RunnerOutput(sampled, logprobs)
 
     def compute_logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """float32 logits of these rows of the hidden states; a few rows go through the fused

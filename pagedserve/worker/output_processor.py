@@ -120,7 +120,9 @@ class OutputProcessor:
         for update in updates:
             seq = update.request
             state, completion = self._owner[seq.request_id]
-            if self._append(completion, seq, update.new_token_id, update.logprobs):
+            if completion.finish_reason is not None:
+                continue  # a stop string ended it at an earlier token of this step
+            if self._append(completion, seq, update):
                 stopped.append(seq.request_id)
             state.num_cached_tokens = max(state.num_cached_tokens, seq.num_cached_tokens)
             state.num_preemptions = max(state.num_preemptions, seq.num_preemptions)
@@ -129,8 +131,9 @@ class OutputProcessor:
             changed[state.request_id] = state
         return ProcessedStep([self._delta(state) for state in changed.values()], stopped)
 
-    def _append(self, c: _Completion, seq: Request, token: int, logprobs: SampledLogprobs | None) -> bool:
+    def _append(self, c: _Completion, seq: Request, update: SequenceUpdate) -> bool:
         """Record a sequence's new token and text; True when a stop string ended it."""
+        token, logprobs = update.new_token_id, update.logprobs
         c.token_ids.append(token)
         if c.logprobs is not None and logprobs is not None:
             c.logprobs.append(self._to_logprobs(token, logprobs))
@@ -143,7 +146,7 @@ class OutputProcessor:
                 c.text = c.text[: found[0]]
                 c.finish_reason, c.stop_reason = "stop", found[1]
                 hit_stop = not seq.is_finished
-        if c.finish_reason is None and seq.is_finished:
+        if c.finish_reason is None and update.ends:
             c.finish_reason = seq.status.finish_reason
             c.stop_reason = seq.stop_reason
         return hit_stop

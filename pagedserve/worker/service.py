@@ -375,7 +375,8 @@ def run_worker(config: ServeConfig, engine_config: EngineConfig, redis_url: str)
     metrics, metrics_server = None, None
     if config.worker_metrics_port is not None:
         registry = CollectorRegistry()  # this process's own, never prometheus_client's global one
-        metrics = WorkerMetrics(registry, config.served_model_name or engine_config.model, engine.config.block_size)
+        metrics = WorkerMetrics(registry, config.served_model_name or engine_config.model, engine.config.block_size,
+                                engine_config.speculative_method)
         metrics_server = serve_metrics(registry, config.worker_metrics_host, config.worker_metrics_port)
         if metrics_server is None:  # nobody could read them: keep none
             metrics = None

@@ -37,7 +37,8 @@ class StepStatsCollector:
     _finished: list[FinishedRequestStats] = field(default_factory=list)
 
     def step(self, started: float, scheduled: SchedulerOutput, deltas: list[RequestDelta], num_running: int,
-             num_waiting: int, kv_cache_usage: float) -> StepStats:
+             num_waiting: int, kv_cache_usage: float, verified: tuple[int, int, int] = (0, 0, 0)) -> StepStats:
+        """`verified`: speculative decoding's (verifications, draft tokens, accepted tokens)."""
         now = time.monotonic()
         request_ids: dict[str, None] = {}
         prompt_lengths: dict[str, int] = {}
@@ -65,6 +66,7 @@ class StepStatsCollector:
             num_running=num_running, num_waiting=num_waiting, kv_cache_usage=kv_cache_usage,
             prefix_cache_queries=queries - self._queries, prefix_cache_hits=hits - self._hits,
             inter_token_latencies=tuple(latencies), prefix_cache_tier_hits=tier - self._tier_hits,
+            num_verifications=verified[0], num_draft_tokens=verified[1], num_accepted_tokens=verified[2],
         )
         self._queries, self._hits, self._tier_hits = queries, hits, tier
         return stats

@@ -83,3 +83,23 @@ def test_many_prefixes_share_only_their_system_prompts():
     assert len(prefixes) == 32  # every system prompt drawn at least once in 256 draws (seeded)
     assert all(1024 <= len(p) <= 2048 for p in prefixes)
     assert len({tuple(p[-32:]) for p in prompts}) == 256
+
+
+def test_grounded_prompts_quote_a_passage_of_the_text(tiny_checkpoint):
+    """16 chat prompts, each an instruction and a passage of 128..512 tokens of whole
+    paragraphs of the Stevenson text, in triple quotes; the same every time."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from pagedserve.bench.workloads import GROUNDED_INSTRUCTIONS, grounded_workload
+
+    tok = AutoTokenizer.from_pretrained(tiny_checkpoint("llama-gqa"))
+    prompts, outputs = grounded_workload(tok)
+    assert len(prompts) == 16 and outputs == [256] * 16 and grounded_workload(tok) == (prompts, outputs)
+    text = " ".join((Path(__file__).parents[2] / "pagedserve/bench/data/jekyll_hyde.txt").read_text().split())
+    for i, prompt in enumerate(prompts):
+        rendered = tok.decode(prompt)
+        passage = rendered.split(GROUNDED_INSTRUCTIONS[i % 4] + '\n\n"""\n')[1].split('\n"""')[0]
+        assert 128 <= len(tok.encode(passage, add_special_tokens=False)) <= 512
+        assert all(" ".join(p.split()) in text for p in passage.split("\n\n"))

@@ -26,8 +26,8 @@ def req(rid, t, tenant=None, n_prompt=3):
 
 def step(s, token=7):
     out = s.schedule()
-    s.update(out, RunnerOutput([token if e.request.num_computed_tokens + e.num_new_tokens == e.request.num_tokens
-                                else None for e in out.scheduled], None))
+    s.update(out, RunnerOutput([[token] if e.request.num_computed_tokens + e.num_new_tokens == e.request.num_tokens
+                                else [] for e in out.scheduled], None))
     return out
 
 

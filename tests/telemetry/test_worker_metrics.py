@@ -147,3 +147,26 @@ def test_metrics_server_serves_the_registry_and_a_busy_port_is_logged(caplog):
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("127.0.0.1", port))  # closed
+
+
+def test_speculative_decoding_counters(tiny_checkpoint):
+    """The spec_decode counters equal the speculator's own counts; a plain worker has none."""
+    llm = LLM(str(tiny_checkpoint("llama-gqa")), kv_cache_memory=1 << 22,
+              speculative={"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 2})
+    engine = llm.engine
+    registry = CollectorRegistry()
+    metrics = WorkerMetrics(registry, "tiny", block_size=16, proposer="ngram")
+    repeated = [5, 6, 7, 8] * 8  # prompt lookup finds matches everywhere
+    engine.add_request("a", repeated, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    steps = _run(engine, metrics)
+    counters = engine.speculator.counters
+    assert counters.num_drafts > 0
+    assert _value(registry, "spec_decode_num_drafts_total", proposer="ngram") == counters.num_verifications
+    assert _value(registry, "spec_decode_num_draft_tokens_total", proposer="ngram") == counters.num_drafts
+    assert _value(registry, "spec_decode_num_accepted_tokens_total", proposer="ngram") == counters.num_accepted
+    assert sum(s.num_accepted_tokens for s in steps) == counters.num_accepted
+    # every step yields one token plus those accepted
+    assert _value(registry, "generation_tokens_total") == 24 == sum(s.num_generated_tokens for s in steps)
+    plain = CollectorRegistry()
+    WorkerMetrics(plain, "tiny", block_size=16)
+    assert plain.get_sample_value("pagedserve:spec_decode_num_drafts_total", {**MODEL, "proposer": "ngram"}) is None

@@ -28,7 +28,7 @@ def req(rid, n_prompt, t, max_tokens=100):
 
 def step(s, token=7):
     out = s.schedule()
-    s.update(out, RunnerOutput([token if e.request.num_computed_tokens + e.num_new_tokens == e.request.num_tokens else None for e in out.scheduled], None))
+    s.update(out, RunnerOutput([[token] if e.request.num_computed_tokens + e.num_new_tokens == e.request.num_tokens else [] for e in out.scheduled], None))
     return out
 
 
@@ -71,7 +71,7 @@ def test_preempted_request_goes_back_to_the_front_and_finishes():
         if not s.has_unfinished_requests():
             break
         out = s.schedule()
-        tokens = [7 if e.request.num_computed_tokens + e.num_new_tokens == e.request.num_tokens else None for e in out.scheduled]
+        tokens = [[7] if e.request.num_computed_tokens + e.num_new_tokens == e.request.num_tokens else [] for e in out.scheduled]
         for u in s.update(out, RunnerOutput(tokens, None)):
             if u.request.is_finished:
                 finished_order.append(u.request.request_id)

@@ -4,7 +4,8 @@ Everything a scheduler, sampler or model plugin needs is importable from here, a
 import nothing else of pagedserve. One engine step hands these from stage to stage:
 
     Scheduler.schedule()            -> SchedulerOutput   (which sequences, how many tokens)
-    ModelRunner.run(SchedulerOutput) -> RunnerOutput     (one sampled token per finished prompt)
+    ModelRunner.run(SchedulerOutput) -> RunnerOutput     (new tokens per finished prompt: one, or
+                                                          the accepted drafts + one)
     Scheduler.update(..)            -> list[SequenceUpdate]   (tokens appended, stops checked)
     OutputProcessor.process(..)     -> list[RequestDelta]     (text and tokens new to the caller)
 
@@ -45,6 +46,7 @@ from pagedserve.common.contracts.scheduler import (
     SchedulerOutput,
     SchedulerPlugin,
 )
+from pagedserve.common.contracts.speculative import ProposerPlugin
 from pagedserve.common.contracts.version import API_VERSION
 from pagedserve.common.outputs import CompletionDelta, RequestDelta, RequestOutput
 
@@ -64,6 +66,7 @@ __all__ = [
     "ModelInput",
     "PrefixHit",
     "PrefixLookup",
+    "ProposerPlugin",
     "QuantizationPlugin",
     "QuantizationReport",
     "Request",

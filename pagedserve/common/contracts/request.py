@@ -9,12 +9,8 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from pagedserve.common.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    import torch
 
 
 class RequestStatus(enum.IntEnum):
@@ -58,8 +54,14 @@ class Request:
     cache_salt: str | None = None  # tenant salt: requests with different salts share no block
     tenant: str | None = None  # whose share of the engine it uses (fair schedulers balance tenants)
     stop_reason: str | int | None = None
-    generator: torch.Generator | None = None  # per-request RNG when a seed is given
+    #: the request's seed (+ its index among the n); its draws are keyed by (seed, output
+    #: position), so a seeded sequence gives the same tokens however its steps are batched,
+    #: resumed or speculated. None: the sampler's own generator
+    seed: int | None = None
     first_token_time: float | None = None
+    #: draft tokens proposed for the next step (speculative decoding): set by the engine after
+    #: a step, verified by the next one if the scheduler takes them; never part of token_ids
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

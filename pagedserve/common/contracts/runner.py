@@ -1,8 +1,9 @@
 """What the model runner takes and gives each step.
 
 `ModelInput` is the step's flat batch on the host, built from a `SchedulerOutput`;
-`RunnerOutput` is one sampled token per scheduled sequence whose prompt is complete;
-`SequenceUpdate` is what the scheduler made of it, for the output processor.
+`RunnerOutput` is the new tokens of each scheduled sequence whose prompt is complete (one,
+or several with speculative decoding); `SequenceUpdate` is what the scheduler made of each
+token, for the output processor.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ class ModelInput:
     block_tables: np.ndarray  # [num_seqs, max_blocks] int32, padded with 0
     num_decodes: int  # the first num_decodes sequences have exactly one query token
     sample_rows: list[int]  # rows of the flat batch whose hidden states are sampled
-    sample_entries: list[int]  # their entries in SchedulerOutput.scheduled
+    sample_entries: list[int]  # their entries in SchedulerOutput.scheduled (an entry verifying
+    #: k drafts has k + 1 rows, consecutive, in position order)
 
 
 @dataclass(slots=True)
@@ -42,16 +44,28 @@ class SampledLogprobs:
 
 @dataclass(slots=True)
 class RunnerOutput:
-    """One step's sampled tokens, aligned with `SchedulerOutput.scheduled`."""
+    """One step's new tokens, aligned with `SchedulerOutput.scheduled`."""
 
-    sampled_token_ids: list[int | None]  # None: a prefill chunk that did not finish its prompt
-    logprobs: list[SampledLogprobs | None] | None  # None when no sequence asked for them
+    #: per entry, the tokens to append, in order: [] for a prefill chunk that did not finish
+    #: its prompt, one token for a decode, and with speculative decoding the accepted drafts
+    #: followed by the target's own next token (so 1 + accepted drafts: the entry's
+    #: `spec_token_ids` beyond that were rejected, and their K/V does not count as computed)
+    sampled_token_ids: list[list[int]]
+    #: per entry, one SampledLogprobs per token above (None for an entry that asked for none);
+    #: None when no sequence asked for them
+    logprobs: list[list[SampledLogprobs] | None] | None
+
+    def num_rejected(self, i: int, entry_num_drafts: int) -> int:
+        """Drafts of entry `i` the target rejected (their K/V was computed but is not kept)."""
+        tokens = self.sampled_token_ids[i]
+        return entry_num_drafts - (len(tokens) - 1) if tokens else 0
 
 
 @dataclass(slots=True)
 class SequenceUpdate:
     """A sequence's new token, after the scheduler appended it and checked the stops."""
 
-    request: Request  # its status tells whether this token ended it
+    request: Request  # its status after the step
     new_token_id: int
     logprobs: SampledLogprobs | None = None
+    ends: bool = False  # this token ended the sequence (request.status says how)

@@ -22,8 +22,11 @@ class ScheduledRequest:
     """One sequence's share of a step."""
 
     request: Request
-    num_new_tokens: int  # tokens computed for it this step (1 for a decode)
+    num_new_tokens: int  # tokens computed for it this step (1 for a decode; 1 + drafts when verifying)
     block_ids: list[int]  # its block table, in position order (the KV manager's list: read only)
+    #: draft tokens verified this step (speculative decoding): the last len() of the
+    #: num_new_tokens, computed after the request's own token_ids; [] otherwise
+    spec_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -105,8 +108,10 @@ class SchedulerPlugin(ABC):
 
     @abstractmethod
     def update(self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput) -> list[SequenceUpdate]:
-        """Apply a step's results: count computed tokens, append sampled tokens, end the
-        sequences that stopped (EOS, stop token, length). One update per new token."""
+        """Apply a step's results: count computed tokens (less the rejected drafts,
+        `RunnerOutput.num_rejected`), append the new tokens in order, and end a sequence at
+        the first token that stops it (EOS, stop token, length), dropping the rest. One
+        update per token appended."""
 
     @abstractmethod
     def finish_requests(self, request_ids: Sequence[str], status: RequestStatus) -> list[Request]:

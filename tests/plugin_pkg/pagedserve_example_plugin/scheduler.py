@@ -72,11 +72,13 @@ class ShortestPromptFirstScheduler(SchedulerPlugin):
             request = entry.request
             if request.status != RequestStatus.RUNNING:
                 continue
+            # it never schedules drafts (spec_token_ids): at most one new token per entry
             request.num_computed_tokens += entry.num_new_tokens
             self.kv.cache_full_blocks(request)
-            token = runner_output.sampled_token_ids[i]
-            if token is None:
+            tokens = runner_output.sampled_token_ids[i]
+            if not tokens:
                 continue
+            token = tokens[0]
             request.token_ids.append(token)
             if request.first_token_time is None:
                 request.first_token_time = time.monotonic()
@@ -84,7 +86,7 @@ class ShortestPromptFirstScheduler(SchedulerPlugin):
             if status is not None:
                 self._finish(request, status)
             logprobs = runner_output.logprobs[i] if runner_output.logprobs is not None else None
-            updates.append(SequenceUpdate(request, token, logprobs))
+            updates.append(SequenceUpdate(request, token, logprobs[0] if logprobs else None, status is not None))
         return updates
 
     def finish_requests(self, request_ids, status: RequestStatus) -> list[Request]:
