@@ -48,91 +48,16 @@ void quantize_kv_row_int8(const float* x, int64_t n, int8_t* row);  // cpu_paged
 
 namespace {
 
-// s[r] = Σ_k w[k]·x[r·in + k] for R rows of x against one float32 weight row: each weight
-// vector is loaded once and applied to all R rows (R fixed at compile time, so the
-// accumulators stay in registers; small R uses several per row to hide the FMA latency).
-template <int R>
-inline void dot_rows_f32(const float* w, const float* x, int64_t in, float* s) {
-  int64_t k = 0;
-#if defined(__AVX512F__)
-  constexpr int U = R <= 2 ? 4 : (R <= 4 ? 2 : 1);
-  __m512 acc[R][U];
-  for (int r = 0; r < R; ++r)
-    for (int u = 0; u < U; ++u) acc[r][u] = _mm512_setzero_ps();
-  for (; k + 16 * U <= in; k += 16 * U) {
-#pragma GCC unroll 4
-    for (int u = 0; u < U; ++u) {
-      const __m512 wv = _mm512_loadu_ps(w + k + 16 * u);
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) acc[r][u] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + r * in + k + 16 * u), acc[r][u]);
-    }
-  }
-  for (; k + 16 <= in; k += 16) {
-    const __m512 wv = _mm512_loadu_ps(w + k);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) acc[r][0] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + r * in + k), acc[r][0]);
-  }
-  for (int r = 0; r < R; ++r) {
-    __m512 t = acc[r][0];
-    for (int u = 1; u < U; ++u) t = _mm512_add_ps(t, acc[r][u]);
-    s[r] = _mm512_reduce_add_ps(t);
-  }
-#elif defined(__AVX2__) && defined(__FMA__)
-  constexpr int U = R <= 2 ? 4 : (R <= 4 ? 2 : 1);
-  __m256 acc[R][U];
-  for (int r = 0; r < R; ++r)
-    for (int u = 0; u < U; ++u) acc[r][u] = _mm256_setzero_ps();
-  for (; k + 8 * U <= in; k += 8 * U) {
-#pragma GCC unroll 4
-    for (int u = 0; u < U; ++u) {
-      const __m256 wv = _mm256_loadu_ps(w + k + 8 * u);
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) acc[r][u] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + r * in + k + 8 * u), acc[r][u]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    __m256 t = acc[r][0];
-    for (int u = 1; u < U; ++u) t = _mm256_add_ps(t, acc[r][u]);
-    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-    const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    s[r] = _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));
-  }
-#else
-  for (int r = 0; r < R; ++r) s[r] = 0.f;
-#endif
-  for (; k < in; ++k)  // the tail (and the whole row without SIMD)
-    for (int r = 0; r < R; ++r) s[r] += w[k] * x[r * in + k];
-}
-
-// y[r, o] = x[r, :] · w[o, :] (+ bias[o]) for r < m; w is [out, in], row-major. Output rows
-// are split across threads; each thread takes blocks of 64 weight rows and applies every
-// group of 8 rows of x to a weight row while it is in L1, so each weight row comes from
-// memory once per call and each weight vector is loaded once per group, whatever m: a
-// step of 5 rows (a sequence verifying 4 drafts) costs little more than one row.
+// y[r, o] = x[r, :] · w[o, :] (+ bias[o]) for r < m; w is [out, in], row-major.
 void linear_rows(const float* x, int64_t m, int64_t in, const float* w, const float* bias, int64_t out, float* y) {
-  constexpr int64_t kRows = 8, kBlock = 64;
   at::parallel_for(0, out, 32, [&](int64_t begin, int64_t end) {
-    float s[kRows];
-    for (int64_t ob = begin; ob < end; ob += kBlock) {
-      const int64_t oe = std::min(end, ob + kBlock);
-      for (int64_t r0 = 0; r0 < m; r0 += kRows) {
-        const int64_t rn = std::min(kRows, m - r0);
-        const float* xr = x + r0 * in;
-        for (int64_t o = ob; o < oe; ++o) {
-          const float* wr = w + o * in;
-          switch (rn) {
-            case 1: dot_rows_f32<1>(wr, xr, in, s); break;
-            case 2: dot_rows_f32<2>(wr, xr, in, s); break;
-            case 3: dot_rows_f32<3>(wr, xr, in, s); break;
-            case 4: dot_rows_f32<4>(wr, xr, in, s); break;
-            case 5: dot_rows_f32<5>(wr, xr, in, s); break;
-            case 6: dot_rows_f32<6>(wr, xr, in, s); break;
-            case 7: dot_rows_f32<7>(wr, xr, in, s); break;
-            default: dot_rows_f32<8>(wr, xr, in, s); break;
-          }
-          const float b = bias ? bias[o] : 0.f;
-          for (int64_t r = 0; r < rn; ++r) y[(r0 + r) * out + o] = s[r] + b;
-        }
+    for (int64_t o = begin; o < end; ++o) {
+      const float* wr = w + o * in;
+      for (int64_t r = 0; r < m; ++r) {
+        const float* xr = x + r * in;
+        float s = 0.f;
+        for (int64_t k = 0; k < in; ++k) s += wr[k] * xr[k];
+        y[r * out + o] = bias ? s + bias[o] : s;
       }
     }
   });
