@@ -59,6 +59,9 @@ TINY_MODELS = {
     "mistral": ("mistral", {}),
     "llama-tied": ("llama", {"tie_word_embeddings": True}),  # the LM head is the embedding, as in SmolLM2
     "llama-vocab8": ("llama", {"vocab_size": 8}),  # distributions small enough to test by counting
+    # a draft model for speculative decoding: the llama models' tokenizer, one smaller layer
+    "llama-draft": ("llama", {"hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+                              "num_key_value_heads": 2, "intermediate_size": 96}),
 }
 
 

@@ -46,7 +46,8 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:
     offline.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 2GiB (default: the engine's)")
     offline.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3"],
                          help="KV cache element type (int8: rows with a float32 scale; fp8_e4m3: CUDA only)")
-    offline.add_argument("--speculative-method", default=None, help="speculative decoding: a proposer (ngram)")
+    offline.add_argument("--speculative-method", default=None, help="speculative decoding: a proposer (ngram, draft)")
+    offline.add_argument("--speculative-model", default=None, help="with --speculative-method draft: the draft model")
     offline.add_argument("--num-speculative-tokens", type=int, default=4)
     offline.add_argument("--prompt-lookup-max", type=int, default=4)
     offline.add_argument("--prompt-lookup-min", type=int, default=2)

@@ -73,6 +73,9 @@ def run_pagedserve(args, prompts, out_lens):
                                 "accepted": c.num_accepted, "acceptance_rate": c.acceptance_rate,
                                 "mean_accepted_length": c.mean_accepted_length, "paused": c.num_paused,
                                 "steps_off": c.num_steps_off}
+        draft = getattr(engine.speculator.proposer, "num_forwards", None)
+        if draft is not None:  # the draft model's own work
+            extra["speculative"].update(draft_forwards=draft, draft_tokens=engine.speculator.proposer.num_tokens_fed)
     return elapsed, extra
 
 
@@ -85,6 +88,8 @@ def speculative_options(args) -> dict[str, Any]:
                "prompt_lookup_max": args.prompt_lookup_max, "prompt_lookup_min": args.prompt_lookup_min}
     if args.speculative_max_batch is not None:
         options["speculative_max_batch"] = args.speculative_max_batch
+    if getattr(args, "speculative_model", None):
+        options["speculative_model"] = args.speculative_model
     return options
 
 

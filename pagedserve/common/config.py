@@ -30,7 +30,7 @@ def quantization_methods() -> list[str]:
 
 
 def proposer_methods() -> list[str]:
-    """The names in the `pagedserve.proposers` entry-point group (the built-in: ngram)."""
+    """The names in the `pagedserve.proposers` entry-point group (the built-ins: ngram, draft)."""
     from importlib.metadata import entry_points
 
     return sorted({ep.name for ep in entry_points(group="pagedserve.proposers")})
@@ -48,6 +48,8 @@ SPECULATIVE_KEYS = {
     "max_batch": "speculative_max_batch",
     "min_acceptance": "speculative_min_acceptance",
     "pause_steps": "speculative_pause_steps",
+    "model": "speculative_model",
+    "kv_memory": "speculative_kv_memory",
 }
 
 
@@ -97,8 +99,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     #: the Redis that holds the tier; None: `serve`'s workers use the queue's Redis
     kv_tier_url: str | None = None
     kv_tier_timeout: float = 2.0  # seconds a new request waits for its tier lookup; past it, it computes
-    #: speculative decoding: an entry point in pagedserve.proposers (ngram: prompt lookup);
-    #: None: off. Drafts are verified in one step; the output is exactly the target's
+    #: speculative decoding: an entry point in pagedserve.proposers (ngram: prompt lookup;
+    #: draft: a smaller model). None: off. Drafts are verified in one step; the output is exactly the target's
     speculative_method: str | None = None
     num_speculative_tokens: int = 4  # drafts proposed per sequence and step, at most
     prompt_lookup_max: int = 4  # ngram: the longest suffix n-gram looked up in the sequence
@@ -109,6 +111,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     #: a sequence whose recent drafts were accepted less than this share pauses proposing
     speculative_min_acceptance: float = 0.25
     speculative_pause_steps: int = 16  # how many steps such a sequence pauses
+    #: draft: the draft model (an alias or a checkpoint dir) with the target's tokenizer
+    speculative_model: str | None = None
+    #: draft: bytes of the draft model's own KV cache (flags and env take sizes like 512MiB)
+    speculative_kv_memory: int = 256 * 1024**2
     seed: int = 0  # seeds the sampler of requests that give no seed
     num_threads: int | None = None  # torch CPU threads; None: torch's default
 
@@ -157,6 +163,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             if self.speculative_method not in proposers:
                 raise InvalidParameterError("speculative_method", f"unknown method {self.speculative_method!r}; "
                                             f"choices: {', '.join(proposers) or 'none installed'}")
+            if self.speculative_method == "draft" and not self.speculative_model:
+                raise InvalidParameterError("speculative_model", "the draft method needs a draft model: "
+                                            "speculative={'method': 'draft', 'model': PATH} or --speculative-model")
+        if self.speculative_kv_memory <= 0:
+            raise InvalidParameterError("speculative_kv_memory", "must be > 0 bytes")
         if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise InvalidParameterError("num_speculative_tokens", f"must be in [1, {MAX_SPECULATIVE_TOKENS}]")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
