@@ -32,18 +32,21 @@ def test_greedy_ids_identical_to_no_speculation(tiny_checkpoint, draft_name):
     """The target drafting for itself has its drafts nearly all accepted (whole runs and the
     extra token); a smaller random model has most rejected. Chunked prefill (64-token steps),
     preemption (a small pool), prefix hits (the prompts' shared prefix), n = 2 and a stop
-    token id act at the exact accepted token."""
+    token id and a stop string act at the exact accepted token."""
     model, draft = tiny_checkpoint("llama-gqa"), tiny_checkpoint(draft_name)
     prompts = mixed_prompts()
     options = dict(kv_cache_memory=1 << 17, max_num_batched_tokens=64)
     plain = LLM(str(model), **options)
     spec = draft_llm(model, draft, **options)
     first = plain.generate(prompts[:1], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    text = first[0].outputs[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 2]  # a stop string inside the run
     cases = [
         (prompts, SamplingParams(max_tokens=37, temperature=0.0, ignore_eos=True)),
         (prompts[::3], SamplingParams(n=2, max_tokens=20, temperature=0.0, ignore_eos=True)),
         (prompts[:1], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
                                      stop_token_ids=[first[0].outputs[0].token_ids[9]])),
+        (prompts[:1], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop=[stop])),
     ]
     for some, params in cases:
         expected = plain.generate(some, params)
@@ -51,8 +54,11 @@ def test_greedy_ids_identical_to_no_speculation(tiny_checkpoint, draft_name):
         for e, g in zip(expected, got):
             assert [c.token_ids for c in g.outputs] == [c.token_ids for c in e.outputs]
             assert [c.finish_reason for c in g.outputs] == [c.finish_reason for c in e.outputs]
+            assert [c.text for c in g.outputs] == [c.text for c in e.outputs]
         assert_pool_clean(spec.engine)
-    assert got[0].outputs[0].finish_reason == "stop" and len(got[0].outputs[0].token_ids) == 10
+        if params.stop_token_ids:
+            assert got[0].outputs[0].finish_reason == "stop" and len(got[0].outputs[0].token_ids) == 10
+    assert got[0].outputs[0].finish_reason == "stop" and got[0].outputs[0].stop_reason == stop
     speculator = spec.engine.speculator
     proposer = speculator.proposer
     assert isinstance(proposer, DraftProposer)
