@@ -257,6 +257,10 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     # is busy itself gains nothing by taking it: on CPU, 2 workers stealing whenever they had
     # free slots undid cache-aware routing (multi-turn hit rate 56% instead of 69%)
     steal_max_running: int = 0
+    # a routed request waits this many milliseconds longer before a steal for each prompt
+    # token its worker holds cached (the thief would compute them again): about what one
+    # token of prefill costs, 1 ms on a CPU thread (lower it for GPU workers; 0: off)
+    steal_cached_token_ms: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("max_queued_requests", "max_queued_tokens", "max_attempts", "max_body_bytes",
@@ -287,6 +291,8 @@ class ServeConfig(msgspec.Struct, kw_only=True):
                 raise InvalidParameterError(name, "must be > 0 seconds")
         if self.steal_after < 0:
             raise InvalidParameterError("steal_after", "must be >= 0 seconds")
+        if self.steal_cached_token_ms < 0:
+            raise InvalidParameterError("steal_cached_token_ms", "must be >= 0 milliseconds")
         if self.steal_max_running < 0:
             raise InvalidParameterError("steal_max_running", "must be >= 0 (0: steal only when idle)")
         if self.router_load_margin < 0:

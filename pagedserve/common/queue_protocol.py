@@ -127,6 +127,9 @@ def worker_key(worker_id: str) -> str:
 REQUEST_FIELD = b"m"
 #: an entry of REQUESTS: its number of prompt tokens, a decimal string (written by ADMIT)
 PROMPT_TOKENS_FIELD = b"t"
+#: an entry of a routed stream: the prompt tokens its worker held cached when it was routed
+#: (a decimal string, written by ADMIT; the STEAL script waits longer for more of them)
+CACHED_TOKENS_FIELD = b"c"
 #: an entry of output_key(request_id): one encoded Chunk
 CHUNK_FIELD = b"c"
 

@@ -18,12 +18,13 @@ from __future__ import annotations
 #: tenants set, tenant tokens hash, routed stream (the tenant stream when not routed),
 #: tenant routed hash, worker tokens hash, worker queued hash. ARGV: max_queued, max_queued_tokens, prompt
 #: tokens, message, tenant max in flight, tenant max queued tokens, marker ttl (seconds),
-#: the worker routed to ("": none).
+#: the worker routed to ("": none), the prompt tokens that worker holds cached (0: none).
 #: Returns {1, entry id, stream written}, {1, "again"} (a retry of an admitted request:
 #: nothing more is queued), or {0, reason} with reason one of "no_worker", "full",
 #: "tenant_requests", "tenant_tokens". A request routed to a worker that is no longer live
 #: goes to the tenant stream instead. The entry's fields are queue_protocol.REQUEST_FIELD
-#: ('m': the message) and PROMPT_TOKENS_FIELD ('t': its prompt tokens).
+#: ('m': the message) and PROMPT_TOKENS_FIELD ('t': its prompt tokens), and in a routed
+#: stream CACHED_TOKENS_FIELD ('c': the prompt tokens its worker holds; STEAL weighs them).
 #: A tenant's requests in flight are its tenant stream's entries plus its entries in routed
 #: streams (tenant routed hash); its queued tokens count both.
 #: A single request larger than a token bound is let in when nothing of its kind is queued,
@@ -46,8 +47,10 @@ if in_flight >= tonumber(ARGV[5]) then return {0, 'tenant_requests'} end
 local tenant_tokens = tonumber(redis.call('HGET', KEYS[7], KEYS[1]) or '0')
 if tenant_tokens > 0 and tenant_tokens + n > tonumber(ARGV[6]) then return {0, 'tenant_tokens'} end
 local stream = KEYS[1]
+local routed = false
 if ARGV[8] ~= '' and tonumber(redis.call('ZSCORE', KEYS[4], ARGV[8]) or '0') >= t then
   stream = KEYS[8]
+  routed = true
   redis.call('HINCRBY', KEYS[9], KEYS[1], 1)
   redis.call('HINCRBY', KEYS[10], ARGV[8], n)
   redis.call('HINCRBY', KEYS[11], ARGV[8], 1)
@@ -58,6 +61,9 @@ redis.call('INCR', KEYS[2])
 redis.call('INCRBY', KEYS[3], n)
 redis.call('HINCRBY', KEYS[7], KEYS[1], n)
 redis.call('SET', KEYS[5], 1, 'EX', ARGV[7])
+if routed then
+  return {1, redis.call('XADD', stream, '*', 'm', ARGV[4], 't', ARGV[3], 'c', ARGV[9] or '0'), stream}
+end
 return {1, redis.call('XADD', stream, '*', 'm', ARGV[4], 't', ARGV[3]), stream}
 """
 
@@ -116,14 +122,18 @@ end
 """
 
 #: Steal: read, for this worker, the entries of other workers' routed streams that have
-#: waited there longer than a delay (their owner is too busy to take them). Atomic, so an
-#: entry is read by one worker only and never one younger than the delay. KEYS: the routed
-#: streams to steal from. ARGV: group, consumer, most entries in all, delay in
-#: milliseconds. Returns an XREADGROUP reply: {stream, {{id, {field, value, ...}}, ...}}
+#: waited there longer than a delay (their owner is too busy to take them). The delay grows
+#: with the prompt tokens the owner holds cached (the entry's 'c'): a thief computes them
+#: again, so such an entry is worth waiting for a little longer. Each stream is read in
+#: order, up to its first entry still too young. Atomic, so an entry is read by one worker
+#: only and never one younger than its delay. KEYS: the routed streams to steal from.
+#: ARGV: group, consumer, most entries in all, delay in milliseconds, milliseconds more per
+#: cached token. Returns an XREADGROUP reply: {stream, {{id, {field, value, ...}}, ...}}
 #: per stream it read from.
 STEAL = _GROUP_CURSOR + """
 local now = redis.call('TIME')
 local cutoff = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000) - tonumber(ARGV[4])
+local per_cached = tonumber(ARGV[5] or '0')
 local room = tonumber(ARGV[3])
 local out = {}
 for _, stream in ipairs(KEYS) do
@@ -133,7 +143,11 @@ for _, stream in ipairs(KEYS) do
     local aged = 0
     for _, entry in ipairs(redis.call('XRANGE', stream, '(' .. last, '+', 'COUNT', room)) do
       local ms = tonumber(string.match(entry[1], '^(%d+)'))
-      if ms > cutoff then break end
+      local cached = 0
+      for i = 1, #entry[2], 2 do
+        if entry[2][i] == 'c' then cached = tonumber(entry[2][i + 1]) or 0 end
+      end
+      if ms + cached * per_cached > cutoff then break end
       aged = aged + 1
     end
     if aged > 0 then

@@ -104,9 +104,11 @@ class QueueClient:
         return workers, queued
 
     async def submit(self, request: QueuedRequest, max_requests: int | None = None,
-                     max_queued_tokens: int | None = None, worker_id: str | None = None) -> str:
+                     max_queued_tokens: int | None = None, worker_id: str | None = None,
+                     cached_tokens: int = 0) -> str:
         """Admit into the tenant's stream, or the stream routed to `worker_id` (the tenant's
-        when that worker is no longer live); returns the stream written. Raises
+        when that worker is no longer live), noting the prompt tokens that worker holds
+        cached (`cached_tokens`: a thief waits longer for them); returns the stream written. Raises
         QueueFullError (TenantLimitError when the tenant's own limits, default the
         config's, are reached) / ServiceUnavailableError."""
         config = self.config
@@ -115,7 +117,7 @@ class QueueClient:
         num_tokens = len(request.prompt_token_ids)
         args: list[int | float | bytes | str] = [
             config.max_queued_requests, config.max_queued_tokens, num_tokens, encode(request),
-            max_requests, max_queued_tokens, self.marker_ttl, worker_id or ""]
+            max_requests, max_queued_tokens, self.marker_ttl, worker_id or "", cached_tokens]
         tenant_stream = q.requests_key(request.tenant)
         routed = q.routed_key(worker_id, request.tenant) if worker_id else tenant_stream
         keys = [tenant_stream, q.QUEUED, q.QUEUED_TOKENS, q.WORKERS, q.admitted_key(request.request_id),

@@ -100,8 +100,9 @@ class RequestRouting:
                      max_queued_tokens: int | None = None) -> RouteDecision:
         """Route the prompt and admit it (raising as `QueueClient.submit` does); returns where
         it went (the shared queue when its worker was gone by then)."""
-        decision = await self.decide(request)
-        stream = await self.queue.submit(request, max_requests, max_queued_tokens, decision.worker_id)
+        decision, cached = await self._decide(request)
+        stream = await self.queue.submit(request, max_requests, max_queued_tokens, decision.worker_id,
+                                         cached.get(decision.worker_id or "", 0))
         if decision.worker_id is not None and routed_owner(stream) != decision.worker_id:
             decision = RouteDecision(worker_id=None, reason="shared")  # it died since the last heartbeat read
         if decision.worker_id is not None:
@@ -111,9 +112,13 @@ class RequestRouting:
 
     async def decide(self, request: QueuedRequest) -> RouteDecision:
         """Where the prompt should go, as the router sees the live workers now."""
+        return (await self._decide(request))[0]
+
+    async def _decide(self, request: QueuedRequest) -> tuple[RouteDecision, dict[str, int]]:
+        """The decision, and the prompt tokens each worker holds cached."""
         infos, queued = await self._workers()
         if not infos:
-            return RouteDecision(worker_id=None, reason="shared")
+            return RouteDecision(worker_id=None, reason="shared"), {}
         cached = await self._cached_tokens(request, infos)
         candidates = [
             WorkerCandidate(
@@ -128,12 +133,12 @@ class RequestRouting:
                                                       tenant=request.tenant), candidates)
         except Exception:  # a router bug must not fail the request: any worker may take it
             logger.exception("router %s failed; the request goes to the shared queue", self.config.router)
-            return RouteDecision(worker_id=None, reason="shared")
+            return RouteDecision(worker_id=None, reason="shared"), cached
         if decision.worker_id is not None and decision.worker_id not in {c.worker_id for c in candidates}:
             logger.error("router %s chose %r, not a live worker; the request goes to the shared queue",
                          self.config.router, decision.worker_id)
-            return RouteDecision(worker_id=None, reason="shared")
-        return decision
+            return RouteDecision(worker_id=None, reason="shared"), cached
+        return decision, cached
 
     async def _cached_tokens(self, request: QueuedRequest, infos: Sequence[WorkerInfo]) -> dict[str, int]:
         """Worker id → leading prompt tokens it holds, as the lookup says (empty: none known).

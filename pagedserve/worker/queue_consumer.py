@@ -236,9 +236,11 @@ class QueueConsumer:
 
     def _read_stolen(self, streams: list[str], room: int) -> list[tuple[str, str, dict[bytes, bytes]]]:
         """Up to `room` entries of other live workers' routed streams that waited longer than
-        steal_after (the STEAL script: atomic, so never one younger)."""
+        steal_after, plus steal_cached_token_ms for each prompt token their worker holds
+        cached (the STEAL script: atomic, so never one younger)."""
         delay_ms = int(self.config.steal_after * 1000)
-        reply = self._steal(keys=streams, args=[q.GROUP, self.worker_id, room, delay_ms])
+        reply = self._steal(keys=streams, args=[q.GROUP, self.worker_id, room, delay_ms,
+                                                self.config.steal_cached_token_ms])
         entries: list[tuple[str, str, dict[bytes, bytes]]] = []
         for name, read in reply or []:
             for eid, flat in read:

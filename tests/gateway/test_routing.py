@@ -93,8 +93,11 @@ def test_the_worker_holding_the_prefix_gets_the_prompt(redis_url):
     assert counts == ({"cache": 1, "load": 1, "shared": 0}, {"timeout": 0, "error": 0})
     # the lookup got the worker's own block hashes: block size, model id and salt as announced
     assert lookup.asked[0] == prompt_block_hashes(PROMPT, BLOCK, "m", "s") and len(lookup.asked[0]) == 2
-    assert [decode_request(e[1][q.REQUEST_FIELD]).request_id for e in client.xrange(q.routed_key("w2", None))] == ["r1"]
-    assert client.xlen(q.routed_key("w1", None)) == 1
+    [(_, fields)] = client.xrange(q.routed_key("w2", None))
+    assert decode_request(fields[q.REQUEST_FIELD]).request_id == "r1"
+    assert fields[q.CACHED_TOKENS_FIELD] == str(2 * BLOCK).encode()  # what a thief would compute again
+    [(_, fields)] = client.xrange(q.routed_key("w1", None))
+    assert fields[q.CACHED_TOKENS_FIELD] == b"0"
     client.close()
 
 

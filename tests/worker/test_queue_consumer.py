@@ -24,7 +24,7 @@ def test_fair_shares_split_the_room_in_turn():
 
 
 def _admit(client: redis.Redis, request_id: str, tenant: str | None, num_tokens: int = 3,
-           worker: str | None = None) -> None:
+           worker: str | None = None, cached_tokens: int = 0) -> None:
     message = QueuedRequest(request_id=request_id, prompt_token_ids=[1] * num_tokens, tenant=tenant,
                             params=SamplingParams(max_tokens=2), deadline=time.time() + 60)
     if not client.zscore(q.WORKERS, worker or "someone"):
@@ -32,7 +32,7 @@ def _admit(client: redis.Redis, request_id: str, tenant: str | None, num_tokens:
     routed = q.routed_key(worker, tenant) if worker else q.requests_key(tenant)
     keys = [q.requests_key(tenant), q.QUEUED, q.QUEUED_TOKENS, q.WORKERS, q.admitted_key(request_id), q.TENANTS,
             q.TENANT_TOKENS, routed, q.TENANT_ROUTED, q.WORKER_TOKENS, q.WORKER_QUEUED]
-    args = [100, 10_000, num_tokens, encode(message), 100, 10_000, 60, worker or ""]
+    args = [100, 10_000, num_tokens, encode(message), 100, 10_000, 60, worker or "", cached_tokens]
     admitted, _, stream = client.register_script(q.ADMIT)(keys=keys, args=args)
     assert (admitted, stream.decode()) == (1, routed)
 
@@ -212,6 +212,28 @@ def test_a_worker_with_room_steals_what_waited_too_long_in_a_busy_workers_stream
             thief.ack(e.stream, e.entry_id)
         thief.flush()
         assert client.xlen(q.routed_key("busy", "A")) == 1 and client.xlen(q.routed_key("busy", None)) == 0
+        client.close()
+        thief.redis.close()
+
+
+def test_a_thief_waits_longer_for_a_request_whose_prefix_its_worker_holds():
+    """steal_after 0.1 s plus 1 ms per cached token: tenant A's entry, routed for 300 cached
+    tokens, is stolen only after 0.4 s; B's, with nothing cached, after 0.1 s. Each stream is
+    read in order, so A's young entry also holds back the one behind it."""
+    with EmbeddedRedis() as server:
+        client = redis.Redis.from_url(server.url)
+        client.zadd(q.WORKERS, {"w1": time.time() + 60, "busy": time.time() + 60})
+        _admit(client, "warm", "A", num_tokens=400, worker="busy", cached_tokens=300)
+        _admit(client, "behind", "A", worker="busy")
+        _admit(client, "cold", "B", num_tokens=400, worker="busy")
+        fields = client.xrange(q.routed_key("busy", "A"))[0][1]
+        assert fields[q.CACHED_TOKENS_FIELD] == b"300"
+        thief = QueueConsumer(server.url, ServeConfig(steal_after=0.1, steal_cached_token_ms=1.0), worker_id="w1")
+        time.sleep(0.15)
+        assert [e.request.request_id for e in thief.pull(4, None)] == ["cold"]
+        time.sleep(0.3)
+        assert [e.request.request_id for e in thief.pull(4, None)] == ["warm", "behind"]
+        assert thief.num_stolen == 3
         client.close()
         thief.redis.close()
 
