@@ -88,9 +88,23 @@ def prompt_block_hashes(token_ids: Sequence[int], block_size: int, model_id: str
     """The chained hashes of every full block of a prompt, exactly as a worker's KV cache
     manager computes them (the gateway uses this to ask the index who holds a prompt)."""
     extra = extra_keys_for(model_id, cache_salt, kv_dtype)
+    # hash_block's steps, with what every block shares done once: the tokens as one byte
+    # string, the version prefix hashed once and copied, the length packed once
+    tokens = array("Q", token_ids)
+    if tokens and array("Q", [1]).tobytes()[0] != 1:  # pragma: no cover - big-endian hosts
+        tokens.byteswap()
+    data = tokens.tobytes()
+    versioned = hashlib.sha256(_VERSION)
+    length = struct.pack("<I", block_size)
+    width = 8 * block_size
     hashes: list[bytes] = []
     parent: bytes | None = None
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block(parent, token_ids[start : start + block_size], extra)
+        h = versioned.copy()
+        h.update(_NO_PARENT if parent is None else _HAS_PARENT + parent)
+        h.update(length)
+        h.update(data[8 * start : 8 * start + width])
+        h.update(extra)
+        parent = h.digest()
         hashes.append(parent)
     return hashes

@@ -108,15 +108,19 @@ class PrefixIndex:
         """For each worker holding the first block, how many leading blocks of the chain it holds."""
         if not block_hashes:
             return {}
-        matching = set(self._holders.get(block_hashes[0], ()))
+        holders_of = self._holders.get
+        matching = set(holders_of(block_hashes[0], ()))
         counts: dict[str, int] = {}
-        for i, block_hash in enumerate(block_hashes[1:], start=1):
+        none: frozenset[str] = frozenset()
+        for i in range(1, len(block_hashes)):
             if not matching:
                 break
-            holders = self._holders.get(block_hash, ())
-            for worker in [w for w in matching if w not in holders]:
+            holders = holders_of(block_hashes[i], none)
+            if matching <= holders:  # the common case: every worker still matching holds it too
+                continue
+            for worker in matching - holders:
                 counts[worker] = i
-                matching.discard(worker)
+            matching &= holders
         for worker in matching:
             counts[worker] = len(block_hashes)
         return counts

@@ -80,3 +80,22 @@ def test_prompt_block_hashes_match_the_kv_cache_manager():
     assert prompt_block_hashes(tokens, 16, "m", None) != prompt_block_hashes(tokens, 16, "m", "tenant-a")
     assert prompt_block_hashes(tokens, 16, "m", None) != prompt_block_hashes(tokens, 16, "other", None)
     assert prompt_block_hashes(tokens[:15], 16, "m") == []
+
+
+def test_a_prompts_hashes_are_the_chain_of_its_full_blocks():
+    """The gateway's prompt_block_hashes (one byte string, a primed hasher copied per block)
+    equals hash_block chained block by block, as a worker's KV cache manager hashes; the
+    partial last block has none."""
+    import random
+
+    from pagedserve.prefix_cache.block_hash import extra_keys_for, prompt_block_hashes
+
+    rng = random.Random(5)
+    for block_size, salt, kv_dtype in ((1, None, ""), (16, "tenant", ""), (32, "t2", "int8")):
+        ids = [rng.randrange(2**17) for _ in range(block_size * 7 + (3 if block_size > 1 else 0))]
+        extra = extra_keys_for("model", salt, kv_dtype)
+        chain, parent = [], None
+        for start in range(0, len(ids) - block_size + 1, block_size):
+            parent = hash_block(parent, ids[start : start + block_size], extra)
+            chain.append(parent)
+        assert prompt_block_hashes(ids, block_size, "model", salt, kv_dtype) == chain
