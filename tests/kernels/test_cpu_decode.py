@@ -25,6 +25,33 @@ def test_small_linear_equals_f_linear(rows):
     torch.testing.assert_close(kernels.small_linear(wide[::2], w), F.linear(wide[::2], w), rtol=1e-5, atol=1e-5)
 
 
+#: batch sizes that put a row in groups of every size and position (the kernel groups up to 6 rows)
+BATCHES = [2, 3, 5, 8, 13, 17]
+
+
+def rows_alone_and_together(linear, x: torch.Tensor) -> None:
+    """Each row of x computed alone is bitwise the row computed with m - 1 others, for every m of
+    BATCHES and two windows of x (so a row lands in different groups, at different places): a
+    sequence's greedy tokens must not depend on the batch it is decoded in."""
+    alone = torch.cat([linear(x[r:r + 1]) for r in range(x.shape[0])])
+    for m in BATCHES:
+        for start in (0, x.shape[0] - m):
+            together = linear(x[start:start + m])
+            assert torch.equal(together, alone[start:start + m]), (m, start)
+
+
+@pytest.mark.parametrize(("k", "n"), [(200, 131), (576, 33), (70, 7), (1, 3), (1536, 65)])
+def test_small_linear_rows_are_batch_invariant(k, n):
+    """float32: K off multiples of 64 and of 16 (the partial last vector), N odd."""
+    g = torch.Generator().manual_seed(k * 100 + n)
+    x, w, bias = torch.randn(20, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    kernels = cpu_kernels()
+    rows_alone_and_together(lambda rows: kernels.small_linear(rows, w), x)
+    rows_alone_and_together(lambda rows: kernels.small_linear(rows, w, bias), x)
+    exact = x.double() @ w.double().T
+    torch.testing.assert_close(kernels.small_linear(x, w).double(), exact, rtol=1e-5, atol=1e-4 * k ** 0.5)
+
+
 def test_small_linear_refuses_other_dtypes():
     with pytest.raises(RuntimeError, match="float32 only"):
         cpu_kernels().small_linear(torch.randn(1, 8, dtype=torch.bfloat16), torch.randn(4, 8, dtype=torch.bfloat16))

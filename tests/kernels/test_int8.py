@@ -147,6 +147,47 @@ def test_int8_linear_kernel_equals_the_dequantized_f_linear(rows, k, n, float_pa
     assert torch.equal(torch.ops.pagedserve.int8_dequantize(q, scale), reference)
 
 
+#: batch sizes that put a row in groups of every size and position (up to 6 rows on the float
+#: path, 4 on the VNNI kernel)
+BATCHES = [2, 3, 5, 8, 13, 17]
+
+
+def _rows_alone_and_together(linear, x: torch.Tensor) -> None:
+    """Each row of x computed alone is bitwise the row computed with m - 1 others, for every m of
+    BATCHES and two windows of x: a sequence's greedy tokens must not depend on its batch."""
+    alone = torch.cat([linear(x[r:r + 1]) for r in range(x.shape[0])])
+    for m in BATCHES:
+        for start in (0, x.shape[0] - m):
+            assert torch.equal(linear(x[start:start + m]), alone[start:start + m]), (m, start)
+
+
+@needs_kernels
+@pytest.mark.parametrize("vnni", [False, True])
+@pytest.mark.parametrize(("k", "n"), [(200, 131), (576, 33), (70, 7), (1, 3), (1536, 65)])
+def test_int8_linear_rows_are_batch_invariant(k, n, vnni):
+    """Both paths of the int8 linear (the float path, and the VNNI kernel where there is one):
+    K off multiples of 64, 32 and 16, N odd; and within their bounds of x · dequantized(w)ᵀ."""
+    kernels = cpu_kernels()
+    if vnni and not kernels.int8_vnni_available():
+        pytest.skip("no AVX-512 VNNI kernel in this build")
+    g = torch.Generator().manual_seed(k * 100 + n)
+    x = _rows_of_mixed_ranges(20, k, k + n)
+    q, scale = quantize_per_channel(torch.randn(n, k, generator=g))
+    bias = torch.randn(n, generator=g)
+    previous = kernels.int8_vnni_available() and kernels.set_int8_vnni(vnni)
+    try:
+        _rows_alone_and_together(lambda rows: kernels.small_linear_int8(rows, q, scale), x)
+        _rows_alone_and_together(lambda rows: torch.ops.pagedserve.int8_linear(rows, q, scale, bias), x)
+        y = kernels.small_linear_int8(x, q, scale)
+        if vnni:
+            assert_equals_the_reference(y, x, q, scale)
+        else:
+            torch.testing.assert_close(y, F.linear(x, dequantize(q, scale)), rtol=RTOL, atol=ATOL)
+    finally:
+        if kernels.int8_vnni_available():
+            kernels.set_int8_vnni(previous)
+
+
 def _rows_of_mixed_ranges(rows: int, k: int, seed: int) -> torch.Tensor:
     """Activation rows whose blocks of 32 span four orders of magnitude (and a zero block), so
     that one scale per row instead of per block, or blocks cut in the wrong place, would break

@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -84,6 +85,25 @@ void quantize_rows(const float* x, int64_t m, int64_t in, int64_t kp, int8_t* xq
   }
 }
 
+// The sum of the 16 lanes, always in the same order: -ffast-math may reassociate the plain
+// vector adds of _mm512_reduce_add_ps (GCC writes them as `+` of vector types) differently in
+// the tiles of different shapes, and a row's result must not depend on how many rows or
+// weight rows share its tile (a sequence's greedy tokens must not depend on its batch). The
+// empty asm statements pin each partial sum.
+template <class T>
+inline T pinned(T v) {
+  asm("" : "+v"(v));
+  return v;
+}
+
+inline float sum_lanes(__m512 v) {
+  const __m256 h = pinned(_mm256_add_ps(_mm512_castps512_ps256(v),
+                                        _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))));
+  const __m128 q = pinned(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+  const __m128 p = pinned(_mm_add_ps(q, _mm_movehl_ps(q, q)));
+  return _mm_cvtss_f32(pinned(_mm_add_ss(p, _mm_shuffle_ps(p, p, 1))));
+}
+
 // s[r][j] = Σ_k (q[r, k]·d[r, block(k)])·w[j·in + k] for MR quantized activation rows against
 // NW weight rows (accumulators in registers: NW×MR <= 16). The weights go in as w + 128
 // (unsigned), and nc takes the activation side's 128·Σq off each int32 lane.
@@ -116,7 +136,7 @@ inline void dot_tile(const int8_t* w, int64_t in, int64_t kp, const int8_t* xq, 
   for (int64_t k = 0; k < full; k += 64) step(k, ~__mmask64{0});
   if (full < in) step(full, (__mmask64{1} << (in - full)) - 1);
   for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < NW; ++j) s[r][j] = _mm512_reduce_add_ps(acc[r][j]);
+    for (int j = 0; j < NW; ++j) s[r][j] = sum_lanes(acc[r][j]);
 }
 
 template <int NW>
@@ -180,7 +200,7 @@ void linear_rows_int8_vnni(const float* x, int64_t m, int64_t in, const int8_t* 
             dot_tile_rows<1>(mr, w + o * in, in, kp, xr, dr, cr, s);
           for (int j = 0; j < nw; ++j) {
             const float b = bias ? bias[o + j] : 0.f;
-            for (int r = 0; r < mr; ++r) y[(r0 + r) * out + o + j] = s[r][j] * scale[o + j] + b;
+            for (int r = 0; r < mr; ++r) y[(r0 + r) * out + o + j] = std::fma(s[r][j], scale[o + j], b);
           }
           o += nw;
         }
