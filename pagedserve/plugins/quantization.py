@@ -34,7 +34,15 @@ from pagedserve.common.contracts import QuantizationPlugin, QuantizationReport
 #: dequantization adds 30-100 us per call, lost in the GEMM from M = 64 on.
 #: `aten._weight_int8pack_mm` (torch 2.13 CPU) is not used: it took 10x float32's time at
 #: M = 1 (qkv 450 us against 44 us) and grows linearly with M (7.6 ms at M = 16).
+#: With the AVX-512 VNNI kernel the extension says so (`int8_kernel_max_rows`: 128 rows).
 INT8_KERNEL_MAX_ROWS = 16
+
+
+def int8_kernel_max_rows() -> int:
+    """Up to how many rows `Int8Linear.forward` runs the extension's int8 kernel: what the
+    extension answers (128 with its VNNI kernel on), else INT8_KERNEL_MAX_ROWS."""
+    op = _cpu_op("int8_kernel_max_rows")
+    return int(op()) if op is not None else INT8_KERNEL_MAX_ROWS
 
 #: Devices on which `Int8Linear.forward` calls `torch.ops.pagedserve.w8a16_linear` (the
 #: Triton w8a16 GEMM, kernels/triton_int8.py) when the worker has registered it.
@@ -92,7 +100,7 @@ class Int8Linear(nn.Module):
         gemm = _cpu_op("w8a16_linear") if x2.device.type in TRITON_GEMM_DEVICES else None
         if gemm is not None:
             y = gemm(x2, self.weight, self.weight_scale, self.bias)
-        elif linear is not None and x2.shape[0] <= INT8_KERNEL_MAX_ROWS:
+        elif linear is not None and x2.shape[0] <= int8_kernel_max_rows():
             y = linear(x2.contiguous(), self.weight, self.weight_scale, self.bias)
         else:
             dequant = _cpu_op("int8_dequantize") if cpu32 else None

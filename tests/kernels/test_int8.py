@@ -272,11 +272,11 @@ def test_int8_linear_kernel_refuses_wrong_dtypes_and_shapes():
         kernels.small_linear_int8(torch.randn(2, 15), q, scale)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 17, 100])
+@pytest.mark.parametrize("rows", [1, 3, 17, 100, 129])
 @pytest.mark.parametrize("with_kernels", [True, False])
 def test_int8_module_forward_equals_the_dequantized_linear(rows, with_kernels, monkeypatch):
-    """Both sides of the switch-over (the C++ kernel up to 16 rows, dequantize + F.linear
-    above), and the plain torch fallback when the extension is not loaded."""
+    """Both sides of the switch-over (the C++ kernel up to 16 rows, 128 with the VNNI kernel;
+    dequantize + F.linear above), and the plain torch fallback when the extension is not loaded."""
     import pagedserve.plugins.quantization as quantization
 
     if with_kernels and cpu_kernels() is None:
@@ -288,7 +288,7 @@ def test_int8_module_forward_equals_the_dequantized_linear(rows, with_kernels, m
     module = Int8Linear.from_linear(linear)
     x = torch.randn(rows, 67)
     expected = F.linear(x, dequantize(module.weight, module.weight_scale), linear.bias)
-    if with_kernels and rows <= quantization.INT8_KERNEL_MAX_ROWS and _vnni_on():
+    if with_kernels and rows <= quantization.int8_kernel_max_rows() and _vnni_on():
         # the VNNI kernel's activations are int8 too: the same quantization done in torch
         expected = int8_int8_linear_ref(x, module.weight, module.weight_scale, linear.bias.detach()).float()
     with torch.no_grad():
@@ -338,3 +338,17 @@ def test_unknown_quantization_is_an_invalid_parameter():
     with pytest.raises(InvalidParameterError, match="choices: int8"):
         EngineConfig(quantization="")
     assert EngineConfig(quantization="int8").quantization == "int8"
+
+
+@needs_vnni
+def test_the_int8_kernel_takes_up_to_128_rows_with_vnni_and_16_without():
+    import pagedserve.plugins.quantization as quantization
+
+    kernels = cpu_kernels()
+    previous = kernels.set_int8_vnni(True)
+    try:
+        assert quantization.int8_kernel_max_rows() == 128
+        kernels.set_int8_vnni(False)
+        assert quantization.int8_kernel_max_rows() == quantization.INT8_KERNEL_MAX_ROWS == 16
+    finally:
+        kernels.set_int8_vnni(previous)
