@@ -19,7 +19,8 @@ without speculation.
 
 Adaptivity (`Speculator.propose`): no drafts in a step where more than
 `speculative_max_batch` sequences run (verification rows then cost more than they save),
-and a sequence whose drafts were mostly rejected pauses proposing for a while.
+and a sequence whose drafts were mostly rejected pauses proposing for a while (twice as long
+each time a try after a pause fails again, up to 16 times `speculative_pause_steps`).
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ class _Acceptance:
     rate: float = 1.0  # moving average of the accepted share of its drafts
     num_verified: int = 0  # verifications so far
     paused_steps: int = 0  # steps left without proposals
+    num_pauses: int = 0  # pauses in a row (each try after a pause failed again): the next is longer
 
 
 @dataclass(slots=True)
@@ -102,6 +104,8 @@ class Speculator:
     EMA = 0.3
     #: verifications before a sequence's rate is trusted enough to pause it
     MIN_VERIFICATIONS = 3
+    #: a sequence paused n times in a row pauses pause_steps · 2^(n-1) steps, at most this many times pause_steps
+    MAX_PAUSE_FACTOR = 16
 
     def __init__(self, config: EngineConfig, proposer: ProposerPlugin, name: str):
         self.proposer = proposer
@@ -125,6 +129,8 @@ class Speculator:
             state = self._acceptance.setdefault(entry.request.request_id, _Acceptance())
             state.rate += self.EMA * (a / k - state.rate)
             state.num_verified += 1
+            if a >= self.min_acceptance * k:
+                state.num_pauses = 0  # this one paid: the next pause, if any, starts short again
         self.counters.num_verifications += verifications
         self.counters.num_drafts += drafts
         self.counters.num_accepted += accepted
@@ -172,7 +178,8 @@ class Speculator:
                 state.rate, state.num_verified = 1.0, 0  # try again afresh
             return True
         if state.num_verified >= self.MIN_VERIFICATIONS and state.rate < self.min_acceptance:
-            state.paused_steps = self.pause_steps
+            state.paused_steps = self.pause_steps * min(1 << state.num_pauses, self.MAX_PAUSE_FACTOR)
+            state.num_pauses += 1
             self.counters.num_paused += 1
             return True
         return False
