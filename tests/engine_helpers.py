@@ -41,23 +41,29 @@ def assert_pool_clean(engine) -> None:
     assert not engine.scheduler.has_unfinished_requests()
 
 
-def assert_fused_step_equals_eager(engine) -> None:
-    """One decode step of 3 sequences at different positions (5, 17 and 40 tokens): the
-    hidden states, the KV written and the logits of the engine's fused CPU step against the
-    model's own forward, to float rounding; the greedy tokens exactly."""
+def decode_batch_of_three(engine):
+    """The runner's inputs for one decode step of 3 sequences at different positions (5, 17
+    and 40 tokens: odd block counts), their blocks allocated in the engine's KV cache."""
     from pagedserve import SamplingParams
     from pagedserve.common.contracts import Request, ScheduledRequest
 
-    runner = engine.runner
-    fused = runner.fused_decoder
-    assert fused is not None
     entries = []
     for i, length in enumerate([5, 17, 40]):
         request = Request(f"r{i}", list(range(3 + i, 3 + i + length)), SamplingParams(), frozenset(), max_tokens=4)
         assert engine.kv_manager.allocate_slots(request, length)
         request.num_computed_tokens = length - 1  # its last prompt token is this step's decode
         entries.append(ScheduledRequest(request, 1, engine.kv_manager.block_ids(request)))
-    batch = runner.prepare_inputs(entries)
+    return engine.runner.prepare_inputs(entries)
+
+
+def assert_fused_step_equals_eager(engine) -> None:
+    """One decode step of 3 sequences at different positions (5, 17 and 40 tokens): the
+    hidden states, the KV written and the logits of the engine's fused CPU step against the
+    model's own forward, to float rounding; the greedy tokens exactly."""
+    runner = engine.runner
+    fused = runner.fused_decoder
+    assert fused is not None
+    batch = decode_batch_of_three(engine)
     caches_before = [c.clone() for c in runner.kv_caches]
     with torch.inference_mode():
         input_ids, positions, metadata = runner._tensors(batch)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib.resources import files
 from itertools import count
@@ -80,12 +81,12 @@ def windows(num_tokens: int, context: int, stride: int) -> list[tuple[int, int, 
 
 
 @torch.inference_mode()
-def window_nll(engine: Engine, tokens: list[int], first: int, chunk: int) -> float:
-    """Summed NLL of tokens[first:] (first >= 1), the window `tokens` fed through the runner
-    in chunks of `chunk` tokens, as one sequence in the engine's KV cache (freed after)."""
+def window_logits(engine: Engine, tokens: list[int], first: int, chunk: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The window `tokens` fed through the runner in chunks of `chunk` tokens, as one sequence
+    in the engine's KV cache (freed after): per chunk, the logits of its positions that predict
+    a token of tokens[first:] (first >= 1), and those tokens."""
     runner, kv = engine.runner, engine.kv_manager
     request = Request(f"perplexity-{next(_ids)}", tokens, SamplingParams(), frozenset(), max_tokens=1)
-    nll = 0.0
     try:
         # the window's last token predicts nothing inside it: it is never fed
         for start in range(0, len(tokens) - 1, chunk):
@@ -99,10 +100,16 @@ def window_nll(engine: Engine, tokens: list[int], first: int, chunk: int) -> flo
             lo = max(0, first - 1 - start)  # row i (position start + i) predicts token start + i + 1
             if lo < n:
                 logits = runner.compute_logits(hidden, list(range(lo, n)))
-                targets = torch.tensor(tokens[start + lo + 1 : start + n + 1], device=logits.device)
-                nll += torch.nn.functional.cross_entropy(logits.float(), targets, reduction="sum").item()
+                yield logits, torch.tensor(tokens[start + lo + 1 : start + n + 1], device=logits.device)
     finally:
         kv.free(request)
+
+
+def window_nll(engine: Engine, tokens: list[int], first: int, chunk: int) -> float:
+    """Summed NLL of tokens[first:] (first >= 1), the window fed as `window_logits` does."""
+    nll = 0.0
+    for logits, targets in window_logits(engine, tokens, first, chunk):
+        nll += torch.nn.functional.cross_entropy(logits.float(), targets, reduction="sum").item()
     return nll
 
 

@@ -46,9 +46,15 @@ class DefaultSampler(SamplerPlugin):
             if md.min_p is not None:
                 cut = md.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
                 probs = probs.masked_fill(probs < cut, 0.0)
-            noise = torch.empty_like(probs).exponential_(generator=self.generator(probs.device))
-            for row, gen in md.generators.items():
-                noise[row].exponential_(generator=gen)
+            noise = torch.empty_like(probs)
+            if not md.generators:
+                noise.exponential_(generator=self.generator(probs.device))
+            else:  # a seeded row draws only its own noise: none from the shared generator
+                shared = [row for row in range(noise.shape[0]) if row not in md.generators]
+                if shared:
+                    noise[shared] = noise[shared].exponential_(generator=self.generator(probs.device))
+                for row, gen in md.generators.items():
+                    noise[row].exponential_(generator=gen)
             tokens = torch.where(is_greedy, greedy, (probs / noise).argmax(dim=-1))
         if raw_logprobs is None:
             return SamplerOutput(tokens, None, None, None)

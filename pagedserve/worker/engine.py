@@ -55,7 +55,7 @@ class Engine:
                                          model_id=config.model, kv_dtype=kv_dtype_key(config.kv_cache_dtype))
         self.scheduler = load_plugin("schedulers", config.scheduler)(config, self.kv_manager)
         self.input_processor = InputProcessor(self.tokenizer, self.hf_config.vocab_size, self.max_model_len,
-                                              config.max_n, self._eos_token_ids(), self.runner.device)
+                                              config.max_n, self._eos_token_ids())
         self.output_processor = OutputProcessor(self.tokenizer)
         self.speculator: Speculator | None = None  # speculative decoding (config.speculative_method)
         if config.speculative_method is not None:

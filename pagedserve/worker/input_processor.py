@@ -13,8 +13,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
 from pagedserve.common.contracts import Request
 from pagedserve.common.errors import InvalidParameterError, check_context
 from pagedserve.common.sampling_params import SamplingParams
@@ -48,13 +46,12 @@ class NewRequest:
 
 class InputProcessor:
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, max_n: int,
-                 eos_token_ids: frozenset[int], device: torch.device):
+                 eos_token_ids: frozenset[int]):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_n = max_n
         self.eos_token_ids = eos_token_ids
-        self.device = device
 
     def tokenize(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt, add_special_tokens=True)

@@ -4,8 +4,6 @@ test runs this file again, compiled, on CUDA tensors (DEVICE below)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -14,8 +12,10 @@ triton = pytest.importorskip("triton")
 from pagedserve.kernels import triton_int8  # noqa: E402
 from pagedserve.kernels.triton_int8 import w8a16_linear, w8a16_linear_ref  # noqa: E402
 
-#: CUDA only when the kernels are compiled (the `gpu` twin runs this file with TRITON_INTERPRET=0)
-DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+from triton_twin import run_compiled_twin, twin_device  # noqa: E402
+
+#: CUDA only when the kernels are compiled (the `gpu` twin, triton_twin.py)
+DEVICE = twin_device()
 #: (rtol, atol) against the float32 reference: the kernel accumulates in float32 in another
 #: order, then rounds to x's dtype, so bf16/fp16 outputs may differ by one unit in the last
 #: place (2^-8 / 2^-11 relative); float32 by the summation order over K
@@ -144,13 +144,5 @@ def test_self_check_catches_a_wrong_kernel(monkeypatch):
 
 @pytest.mark.gpu
 def test_the_same_checks_compiled_on_a_gpu():
-    """This file's tests again in a subprocess with TRITON_INTERPRET=0: the kernels compiled
-    for the GPU, on CUDA tensors (DEVICE), against the same references and tolerances."""
-    import subprocess
-    import sys
-
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu", __file__],
-                          capture_output=True, text=True, env=env, timeout=900)
-    assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-3000:]
-    assert " passed" in done.stdout and "skipped" not in done.stdout and "failed" not in done.stdout
+    """This file's tests again, compiled for the GPU, on CUDA tensors (DEVICE)."""
+    run_compiled_twin(__file__)

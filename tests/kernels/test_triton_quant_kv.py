@@ -7,7 +7,6 @@ the `gpu` test runs this file again, compiled, on CUDA tensors (DEVICE below).""
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 import torch
@@ -25,9 +24,10 @@ from pagedserve.kernels.reference_ops import (  # noqa: E402
 from pagedserve.kernels.triton_attention import TritonAttentionBackend, paged_attention  # noqa: E402
 
 from attention_helpers import build_batch, dense_reference  # noqa: E402
+from triton_twin import run_compiled_twin, twin_device  # noqa: E402
 
-#: CUDA only when the kernels are compiled (the `gpu` twin runs this file with TRITON_INTERPRET=0)
-DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+#: CUDA only when the kernels are compiled (the `gpu` twin, triton_twin.py)
+DEVICE = twin_device()
 #: float8_e4m3fn compiles for sm_89+ only (a GPU below is refused: the last test)
 _FP8_HERE = DEVICE == "cpu" or torch.cuda.get_device_capability() >= (8, 9)
 CACHE_DTYPES = [torch.int8, torch.float8_e4m3fn] if _FP8_HERE else [torch.int8]
@@ -220,13 +220,5 @@ def test_a_float8_cache_is_refused_below_sm89(monkeypatch):
 
 @pytest.mark.gpu
 def test_the_same_checks_compiled_on_a_gpu():
-    """This file's tests again in a subprocess with TRITON_INTERPRET=0: the kernels compiled
-    for the GPU, on CUDA tensors (DEVICE), against the same references and tolerances."""
-    import subprocess
-    import sys
-
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu", __file__],
-                          capture_output=True, text=True, env=env, timeout=900)
-    assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-3000:]
-    assert " passed" in done.stdout and "skipped" not in done.stdout and "failed" not in done.stdout
+    """This file's tests again, compiled for the GPU, on CUDA tensors (DEVICE)."""
+    run_compiled_twin(__file__)

@@ -20,7 +20,7 @@ from pagedserve.prefix_cache.block_hash import prompt_block_hashes
 from pagedserve.worker.kv_cache_manager import KVCacheManager
 from pagedserve.worker.kv_cache_pool import KVCachePool, KVCacheSpec, resolve_kv_cache_dtype
 
-from engine_helpers import assert_pool_clean, mixed_prompts
+from engine_helpers import assert_pool_clean, decode_batch_of_three, mixed_prompts
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -134,8 +134,6 @@ def test_the_fused_step_writes_and_reads_int8_rows_as_the_eager_forward(tiny_che
     an int8 cache: the fused step against the model's forward with the C++ attention. Stored
     rows: their scale to 1e-5 relative (the K/V themselves differ to float rounding), their values within one step (a row whose K differs
     in the last float bit may round the other way); hidden states and logits to 1e-3."""
-    from pagedserve.common.contracts import ScheduledRequest
-
     llm = LLM(str(tiny_checkpoint(model_name)), kv_cache_memory=1 << 22, kv_cache_dtype="int8")
     engine = llm.engine
     runner = engine.runner
@@ -146,13 +144,7 @@ def test_the_fused_step_writes_and_reads_int8_rows_as_the_eager_forward(tiny_che
     for cache in runner.kv_caches:  # a context of random rows, as earlier steps would have left
         cache.copy_(torch.randint(-127, 128, cache.shape, dtype=torch.int8))
         cache[..., head_dim:] = torch.full(cache.shape[:-1] + (1,), 0.01).view(torch.int8)
-    entries = []
-    for i, length in enumerate([5, 17, 40]):
-        request = Request(f"r{i}", list(range(3 + i, 3 + i + length)), SamplingParams(), frozenset(), max_tokens=4)
-        assert engine.kv_manager.allocate_slots(request, length)
-        request.num_computed_tokens = length - 1
-        entries.append(ScheduledRequest(request, 1, engine.kv_manager.block_ids(request)))
-    batch = runner.prepare_inputs(entries)
+    batch = decode_batch_of_three(engine)
     before = [c.clone() for c in runner.kv_caches]
     with torch.inference_mode():
         input_ids, positions, metadata = runner._tensors(batch)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.bench.perplexity import window_logits
 from pagedserve.common.errors import InvalidParameterError
 
 #: 16 fixed prompts of different kinds (prose, code, lists, questions)
@@ -54,7 +55,8 @@ def float32_greedy() -> list[list[int]]:
 def test_default_model_int8_greedy_agrees_with_float32(float32_greedy, lm_head):
     """Greedy ids of 16 prompts × 64 tokens, int8 against float32, two ways:
     - teacher-forced (asserted, >= 90%): after the prompt and float32's first i tokens,
-      int8's greedy token is float32's token i;
+      int8's greedy token is float32's token i (one causal prefill of prompt + float32's
+      tokens per prompt: the logits at every position, as the perplexity harness reads them);
     - free-running (printed): both generate alone and are compared position by position.
       Once a sequence takes another token it follows another text, and every later position
       counts as a miss: on this 135M model one near-tie flipped by the int8 rounding early in
@@ -64,10 +66,15 @@ def test_default_model_int8_greedy_agrees_with_float32(float32_greedy, lm_head):
     assert llm.engine.runner.fused_decoder is not None  # decode steps of <= 16 run the int8 GEMV
     assert llm.engine.runner.model.layers[0].mlp.down_proj.weight.dtype == torch.int8
     tok = llm.get_tokenizer()
-    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    prefixes = [tok.encode(p) + ref[:i] for p, ref in zip(PROMPTS, float32_greedy) for i in range(TOKENS)]
-    predicted = [o.outputs[0].token_ids[0] for o in llm.generate(prefixes, one)]
+    # teacher-forced: each prompt and float32's tokens fed as one sequence; the greedy token
+    # after each prefix is the argmax of the logits at its last position
+    predicted = []
+    for p, ref in zip(PROMPTS, float32_greedy):
+        prompt = tok.encode(p)
+        for logits, _ in window_logits(llm.engine, prompt + ref, len(prompt), chunk=TOKENS + len(prompt)):
+            predicted += logits.argmax(-1).tolist()
     expected = [t for ref in float32_greedy for t in ref]
+    assert len(predicted) == len(expected)
     forced = sum(a == b for a, b in zip(predicted, expected))
     params = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
     free = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params)]
