@@ -33,6 +33,15 @@ def hf_greedy(model_dir, prompts, max_new_tokens: int, dtype=torch.float32) -> l
     return out
 
 
+def assert_same_completions(expected, got) -> None:
+    """Each request's completions agree: token ids, finish reasons and text."""
+    assert len(expected) == len(got)
+    for e, g in zip(expected, got):
+        assert [c.token_ids for c in g.outputs] == [c.token_ids for c in e.outputs]
+        assert [c.finish_reason for c in g.outputs] == [c.finish_reason for c in e.outputs]
+        assert [c.text for c in g.outputs] == [c.text for c in e.outputs]
+
+
 def assert_pool_clean(engine) -> None:
     """Every block is back in the free queue with no references."""
     pool = engine.kv_manager.pool

@@ -13,7 +13,7 @@ from pagedserve.common.contracts import Request
 from pagedserve.common.errors import InvalidParameterError
 from pagedserve.worker.draft_proposer import DraftProposer
 
-from engine_helpers import assert_pool_clean, mixed_prompts
+from engine_helpers import assert_pool_clean, assert_same_completions, mixed_prompts
 
 
 def draft_llm(model, draft, **options) -> LLM:
@@ -51,10 +51,7 @@ def test_greedy_ids_identical_to_no_speculation(tiny_checkpoint, draft_name):
     for some, params in cases:
         expected = plain.generate(some, params)
         got = spec.generate(some, params)
-        for e, g in zip(expected, got):
-            assert [c.token_ids for c in g.outputs] == [c.token_ids for c in e.outputs]
-            assert [c.finish_reason for c in g.outputs] == [c.finish_reason for c in e.outputs]
-            assert [c.text for c in g.outputs] == [c.text for c in e.outputs]
+        assert_same_completions(expected, got)
         assert_pool_clean(spec.engine)
         if params.stop_token_ids:
             assert got[0].outputs[0].finish_reason == "stop" and len(got[0].outputs[0].token_ids) == 10

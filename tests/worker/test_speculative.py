@@ -21,7 +21,7 @@ from pagedserve.plugins.ngram_proposer import lookup
 from pagedserve.worker.sampling_inputs import position_seed
 from pagedserve.worker.speculative import verify
 
-from engine_helpers import assert_pool_clean, mixed_prompts
+from engine_helpers import assert_pool_clean, assert_same_completions, mixed_prompts
 
 VOCAB = 320
 
@@ -113,11 +113,9 @@ def test_greedy_ids_identical_to_no_speculation(tiny_checkpoint, fused):
         some = prompts if i == 0 else prompts[::3]  # the first case preempts; the others check their feature
         expected = plain.generate(some, params)
         got = spec.generate(some, params)
-        for e, g in zip(expected, got):
-            assert [c.token_ids for c in g.outputs] == [c.token_ids for c in e.outputs]
-            assert [c.finish_reason for c in g.outputs] == [c.finish_reason for c in e.outputs]
-            assert [c.text for c in g.outputs] == [c.text for c in e.outputs]
-            if params.logprobs:
+        assert_same_completions(expected, got)
+        if params.logprobs:
+            for e, g in zip(expected, got):
                 for ce, cg in zip(e.outputs, g.outputs):
                     assert [lp.sampled.token_id for lp in cg.logprobs] == [lp.sampled.token_id for lp in ce.logprobs]
                     torch.testing.assert_close(torch.tensor([lp.sampled.logprob for lp in cg.logprobs]),
