@@ -65,22 +65,31 @@ def decode_batch_of_three(engine):
     return engine.runner.prepare_inputs(entries)
 
 
+def eager_then_fused(engine):
+    """`decode_batch_of_three` through the model's forward, then (from the same caches)
+    through the fused CPU step: (eager hidden, the caches the forward left, the caches
+    before, fused hidden); the caches end as the fused step left them. Call under
+    inference_mode."""
+    runner = engine.runner
+    assert runner.fused_decoder is not None
+    batch = decode_batch_of_three(engine)
+    before = [c.clone() for c in runner.kv_caches]
+    input_ids, positions, metadata = runner._tensors(batch)
+    eager = runner.model(input_ids, positions, metadata, runner.kv_caches)
+    eager_kv = [c.clone() for c in runner.kv_caches]
+    for cache, old in zip(runner.kv_caches, before):
+        cache.copy_(old)
+    return eager, eager_kv, before, runner.fused_decoder.forward(batch)
+
+
 def assert_fused_step_equals_eager(engine) -> None:
     """One decode step of 3 sequences at different positions (5, 17 and 40 tokens): the
     hidden states, the KV written and the logits of the engine's fused CPU step against the
     model's own forward, to float rounding; the greedy tokens exactly."""
     runner = engine.runner
     fused = runner.fused_decoder
-    assert fused is not None
-    batch = decode_batch_of_three(engine)
-    caches_before = [c.clone() for c in runner.kv_caches]
     with torch.inference_mode():
-        input_ids, positions, metadata = runner._tensors(batch)
-        eager = runner.model(input_ids, positions, metadata, runner.kv_caches)
-        eager_kv = [c.clone() for c in runner.kv_caches]
-        for cache, before in zip(runner.kv_caches, caches_before):
-            cache.copy_(before)
-        hidden = fused.forward(batch)
+        eager, eager_kv, _, hidden = eager_then_fused(engine)
         torch.testing.assert_close(hidden, eager, rtol=1e-4, atol=1e-4)
         for cache, expected in zip(runner.kv_caches, eager_kv):
             torch.testing.assert_close(cache, expected, rtol=1e-5, atol=1e-5)

@@ -206,7 +206,9 @@ def run(args: argparse.Namespace) -> int:
         if spec := r.get("speculative"):
             print(f"{r['system']}: {spec['proposer']} proposed {spec['proposed']}, verified {spec['verified']}, "
                   f"accepted {spec['accepted']} ({spec['acceptance_rate']:.1%}), mean accepted length "
-                  f"{spec['mean_accepted_length']:.2f}, pauses {spec['paused']}, steps off {spec['steps_off']}")
+                  f"{spec['mean_accepted_length']:.2f}, pauses {spec['paused']}, steps off {spec['steps_off']}"
+                  + (f", draft model forwards {spec['draft_forwards']} over {spec['draft_tokens']} tokens"
+                     if "draft_forwards" in spec else ""))
     print(f"pagedserve wall time outside the model forward: {base['outside_forward_share']:.1%} "
           f"(of which outside ModelRunner.run, i.e. scheduling/detokenizing/bookkeeping: {base['outside_runner_share']:.1%})")
     if args.json:

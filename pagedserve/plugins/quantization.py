@@ -100,7 +100,7 @@ class Int8Linear(nn.Module):
         gemm = _cpu_op("w8a16_linear") if x2.device.type in TRITON_GEMM_DEVICES else None
         if gemm is not None:
             y = gemm(x2, self.weight, self.weight_scale, self.bias)
-        elif linear is not None and x2.shape[0] <= int8_kernel_max_rows():
+        elif linear is not None and (x2.shape[0] <= INT8_KERNEL_MAX_ROWS or x2.shape[0] <= int8_kernel_max_rows()):
             y = linear(x2.contiguous(), self.weight, self.weight_scale, self.bias)
         else:
             dequant = _cpu_op("int8_dequantize") if cpu32 else None

@@ -44,6 +44,9 @@ class _DraftSequence:
     """What the draft cache holds for one sequence."""
 
     tokens: list[int] = field(default_factory=list)  # the token ids whose K/V it holds, in order
+    #: how many leading `tokens` are the sequence's own (the rest are drafts fed back): a
+    #: sequence's tokens never change, so only the ones after these need comparing again
+    num_confirmed: int = 0
     blocks: list[int] = field(default_factory=list)  # its block table in the draft pool
     last_used: int = 0  # the propose call that last used it (which to evict first)
 
@@ -107,6 +110,8 @@ class DraftProposer(ProposerPlugin):
         # catch up: each sequence's unseen tokens; the last one's logits give draft 1
         feeds = [_Feed(state, requests[i].token_ids[len(state.tokens):], len(state.tokens), True)
                  for i, state, _ in active]
+        for i, state, _ in active:  # once fed, its K/V holds every token of the sequence
+            state.num_confirmed = requests[i].num_tokens
         firsts = self._run_chunked(feeds)
         for (i, _, _), token in zip(active, firsts):
             drafts[i].append(token)
@@ -135,11 +140,11 @@ class DraftProposer(ProposerPlugin):
         last token: its logits are needed again), and free the blocks past it."""
         held = state.tokens
         limit = min(len(held), len(tokens) - 1)
-        keep = 0
-        if limit:
-            same = np.asarray(held[:limit]) == np.asarray(tokens[:limit])
-            keep = limit if bool(same.all()) else int(np.argmin(same))
+        keep = min(state.num_confirmed, limit)
+        while keep < limit and held[keep] == tokens[keep]:  # at most the drafts fed last time
+            keep += 1
         del held[keep:]
+        state.num_confirmed = keep
         needed = -(-keep // self.block_size)
         if len(state.blocks) > needed:
             self._free.extend(reversed(state.blocks[needed:]))

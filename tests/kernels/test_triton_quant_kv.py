@@ -129,31 +129,31 @@ DECODE_D128 = ([1, 1, 1], [100, 17, 1], 8, 1, 128, 32)  # GQA 8, head_dim 128, b
 ODD_D12 = ([1, 3], [77, 40], 6, 2, 12, 16)  # head_dim 12 (padded to 16 in the kernel)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
-@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=str)
-def test_quantized_cache_attention_mixed_batch(cache_dtype, dtype):
-    """Decodes, a fresh prefill and a chunk over cached context in one launch, KV split in 2:
-    the store writes the reference's bytes and attention matches the dequantized reference."""
-    query, key, value, cache, metadata, stored, expected = _quantized_batch(MIXED, dtype, cache_dtype)
-    backend = TritonAttentionBackend(num_splits=2)
-    backend.prepare(metadata, MIXED[5])
-    out = backend.forward(query, key, value, cache, metadata, MIXED[4] ** -0.5)
-    assert torch.equal(_bytes(cache), _bytes(stored))
-    tol = ATTENTION_TOL[dtype]
-    torch.testing.assert_close(out.cpu().double(), expected, atol=tol, rtol=tol)
-
-
-@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=str)
-@pytest.mark.parametrize(("shape", "dtype", "num_splits"), [(DECODE_D128, torch.bfloat16, 1),
-                                                            (ODD_D12, torch.float32, 3)], ids=["d128-bf16", "d12-f32"])
-def test_quantized_cache_attention_other_layouts(shape, dtype, num_splits, cache_dtype):
-    query, key, value, cache, metadata, stored, expected = _quantized_batch(shape, dtype, cache_dtype, seed=3)
+def _assert_store_and_attention(shape, dtype, cache_dtype, num_splits: int, seed: int = 0) -> None:
+    """One launch over a quantized cache: the store writes the reference's bytes, and the
+    attention matches the dequantized reference within ATTENTION_TOL."""
+    query, key, value, cache, metadata, stored, expected = _quantized_batch(shape, dtype, cache_dtype, seed=seed)
     backend = TritonAttentionBackend(num_splits=num_splits)
     backend.prepare(metadata, shape[5])
     out = backend.forward(query, key, value, cache, metadata, shape[4] ** -0.5)
     assert torch.equal(_bytes(cache), _bytes(stored))
     tol = ATTENTION_TOL[dtype]
     torch.testing.assert_close(out.cpu().double(), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=str)
+def test_quantized_cache_attention_mixed_batch(cache_dtype, dtype):
+    """Decodes, a fresh prefill and a chunk over cached context in one launch, KV split in 2:
+    the store writes the reference's bytes and attention matches the dequantized reference."""
+    _assert_store_and_attention(MIXED, dtype, cache_dtype, num_splits=2)
+
+
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=str)
+@pytest.mark.parametrize(("shape", "dtype", "num_splits"), [(DECODE_D128, torch.bfloat16, 1),
+                                                            (ODD_D12, torch.float32, 3)], ids=["d128-bf16", "d12-f32"])
+def test_quantized_cache_attention_other_layouts(shape, dtype, num_splits, cache_dtype):
+    _assert_store_and_attention(shape, dtype, cache_dtype, num_splits, seed=3)
 
 
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=str)

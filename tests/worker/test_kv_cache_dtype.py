@@ -20,7 +20,7 @@ from pagedserve.prefix_cache.block_hash import prompt_block_hashes
 from pagedserve.worker.kv_cache_manager import KVCacheManager
 from pagedserve.worker.kv_cache_pool import KVCachePool, KVCacheSpec, resolve_kv_cache_dtype
 
-from engine_helpers import assert_pool_clean, decode_batch_of_three, mixed_prompts
+from engine_helpers import assert_pool_clean, eager_then_fused, mixed_prompts
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -144,15 +144,8 @@ def test_the_fused_step_writes_and_reads_int8_rows_as_the_eager_forward(tiny_che
     for cache in runner.kv_caches:  # a context of random rows, as earlier steps would have left
         cache.copy_(torch.randint(-127, 128, cache.shape, dtype=torch.int8))
         cache[..., head_dim:] = torch.full(cache.shape[:-1] + (1,), 0.01).view(torch.int8)
-    batch = decode_batch_of_three(engine)
-    before = [c.clone() for c in runner.kv_caches]
     with torch.inference_mode():
-        input_ids, positions, metadata = runner._tensors(batch)
-        eager = runner.model(input_ids, positions, metadata, runner.kv_caches)
-        eager_kv = [c.clone() for c in runner.kv_caches]
-        for cache, old in zip(runner.kv_caches, before):
-            cache.copy_(old)
-        hidden = fused.forward(batch)
+        eager, eager_kv, before, hidden = eager_then_fused(engine)
         for cache, expected, old in zip(runner.kv_caches, eager_kv, before):
             written = (expected != old).any(-1)  # the rows this step stored
             assert written.sum() >= 2 * 3 * runner.kv_pool.spec.num_kv_heads - 2  # K and V, 3 slots (a row may repeat)
