@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	# Without a GPU, take the CPU build of torch first; the range in pyproject.toml keeps it.
 	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install --quiet torch==2.13.0; fi
 	$(PY) -m pip install --quiet -e '.[dev,pull,plot]'
-	# pagedserve starts its own redis-server (pagedserve/entrypoints/redis_server.py); fetch one if missing.
+	# pagedserve starts its own redis-server (pagedserve/common/redis_server.py); fetch one if missing.
 	command -v redis-server >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 && \
 		(apt-get update -qq && apt-get install -y -qq redis-server) >/dev/null 2>&1; } || \
 		echo "warning: no redis-server on PATH; install Redis or set PAGEDSERVE_REDIS_SERVER"

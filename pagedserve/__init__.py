@@ -13,7 +13,7 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str):
     if name == "LLM":
-        from pagedserve.worker.llm import LLM
+        from pagedserve.engine.llm import LLM
 
         return LLM
     raise AttributeError(f"module 'pagedserve' has no attribute {name!r}")

@@ -336,7 +336,7 @@ class ChaosRun:
 
     # -- the server ------------------------------------------------------------------------------
     def start_server(self) -> None:
-        from pagedserve.entrypoints.redis_server import EmbeddedRedis
+        from pagedserve.common.redis_server import EmbeddedRedis
 
         self.redis = EmbeddedRedis(port=self.args.redis_port or None).start()
         port = _free_port()

@@ -34,7 +34,7 @@ from pagedserve.common.contracts import Request, ScheduledRequest
 from pagedserve.common.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from pagedserve.worker.engine import Engine
+    from pagedserve.engine.engine import Engine
 
 #: the default text: R. L. Stevenson, Strange Case of Dr Jekyll and Mr Hyde (1886), 35,740
 #: tokens with the SmolLM2 tokenizer
@@ -138,7 +138,7 @@ def text_tokens(engine: Engine, text: str, max_tokens: int | None = None) -> lis
 def main(argv: list[str] | None = None) -> int:
     from pagedserve.common import options
     from pagedserve.common.config import EngineConfig
-    from pagedserve.worker.engine import Engine
+    from pagedserve.engine.engine import Engine
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--text", default=None, metavar="FILE", help=f"UTF-8 text (default: {DEFAULT_TEXT})")

@@ -93,7 +93,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     #: holds more tokens in the same --kv-cache-memory; its blocks hash apart from float ones
     kv_cache_dtype: str = "auto"
     max_n: int = 16  # largest n a request may ask for
-    #: bytes of the shared KV tier (worker/kv_tier.py): blocks evicted from the pool stay
+    #: bytes of the shared KV tier (engine/kv_tier.py): blocks evicted from the pool stay
     #: loadable by every worker of the model; 0: off. Flags and env take sizes like 8GiB
     kv_tier_memory: int = 0
     #: the Redis that holds the tier; None: `serve`'s workers use the queue's Redis

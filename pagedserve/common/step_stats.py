@@ -1,5 +1,5 @@
 """What one engine step did and how each request ended: the records the engine hands to the
-worker's metrics and traces (`pagedserve.worker.step_stats.StepStatsCollector` makes them).
+worker's metrics and traces (`pagedserve.engine.stats_collector.StepStatsCollector` makes them).
 
 They sit in common so that the telemetry layer, below the worker, reads the same types.
 Times are `time.monotonic()` seconds of the worker, like `RequestMetrics`.

@@ -38,7 +38,7 @@ from pagedserve.common import queue_protocol as q
 from pagedserve.common.config import EngineConfig, ServeConfig
 from pagedserve.common.errors import InvalidParameterError
 from pagedserve.common.model_store import resolve_model
-from pagedserve.entrypoints.redis_server import EmbeddedRedis, redact_url
+from pagedserve.common.redis_server import EmbeddedRedis, redact_url
 
 logger = logging.getLogger(__name__)
 

@@ -14,14 +14,12 @@ if even counts are not for everyone.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from litestar import Request, Response, get
 
+from pagedserve.gateway.state import GatewayState
 from pagedserve.telemetry.metrics import CONTENT_TYPE, GatewayMetrics, error_code_of, exposition
-
-if TYPE_CHECKING:
-    from pagedserve.gateway.app import GatewayState
 
 #: the scope state key where a 429's or 503's status waits for its body (and error code)
 _PENDING = "pagedserve_metrics_status"

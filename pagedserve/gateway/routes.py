@@ -14,7 +14,7 @@ The probes and /docs need no key.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 from litestar import Request, Response, get, post
 from litestar.connection import ASGIConnection
@@ -27,6 +27,7 @@ from pagedserve.gateway.errors import error_response
 from pagedserve.gateway.json_limits import check_json_body
 from pagedserve.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from pagedserve.gateway.responses import ResponseBuilder
+from pagedserve.gateway.state import GatewayState
 from pagedserve.gateway.streaming import serve
 from pagedserve.gateway.tokenizer import PromptTokenizer
 from pagedserve.gateway.tracing import note_request, span_of
@@ -36,9 +37,6 @@ from pagedserve.gateway.validation import (
     check_request_size,
     prefix_cache_salt,
 )
-
-if TYPE_CHECKING:
-    from pagedserve.gateway.app import GatewayState
 
 _JSON = Body(media_type=RequestEncodingType.JSON)
 

@@ -16,7 +16,6 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from functools import partial
-from typing import TYPE_CHECKING
 
 from litestar import Request, Response
 from litestar.response import Stream
@@ -29,11 +28,9 @@ from pagedserve.gateway.auth import TenantLimits
 from pagedserve.gateway.errors import wire_error_response
 from pagedserve.gateway.queue_client import RequestLost, ShuttingDown
 from pagedserve.gateway.responses import ResponseBuilder
+from pagedserve.gateway.state import GatewayState
 from pagedserve.gateway.tracing import note_answer, span_of, traceparent_for_queue
 from pagedserve.gateway.validation import check_admission
-
-if TYPE_CHECKING:
-    from pagedserve.gateway.app import GatewayState
 
 logger = logging.getLogger(__name__)
 

@@ -4,8 +4,6 @@ raises the `PagedServeError` the client sees."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import msgspec
 from litestar.connection import ASGIConnection
 
@@ -18,9 +16,7 @@ from pagedserve.common.errors import (
 )
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.gateway.auth import tenant_for
-
-if TYPE_CHECKING:
-    from pagedserve.gateway.app import GatewayState
+from pagedserve.gateway.state import GatewayState
 
 
 def authenticate(state: GatewayState, request: ASGIConnection) -> str | None:

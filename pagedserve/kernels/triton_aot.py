@@ -17,7 +17,7 @@ inside the triton wheel and need no GPU, so this module checks that part everywh
 `python -m pagedserve.kernels.triton_aot` prints the table for every kernel configuration
 the engine uses; `tests/kernels/test_triton_aot.py` compiles a subset. What it cannot show:
 that the cubin computes the right numbers, and how fast it runs; that needs a GPU
-(`pagedserve/bench/gpu_kernels.py`).
+(`benchmarks/gpu_kernels.py`).
 """
 
 from __future__ import annotations

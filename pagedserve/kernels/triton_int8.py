@@ -99,7 +99,7 @@ def tiles_for(m: int, dtype: torch.dtype = torch.bfloat16) -> tuple[int, int, in
     multiply in full float32 (not tensor cores), which holds both operands in registers:
     shallower tiles there. The sizes are the largest that compile without spilled registers
     for sm_80 and sm_90 (`python -m pagedserve.kernels.triton_aot`); not tuned on a GPU yet
-    (pagedserve/bench/gpu_kernels.py measures them)."""
+    (benchmarks/gpu_kernels.py measures them)."""
     if dtype == torch.float32:
         return (16, 32, 32, 4) if m <= 16 else (32, 64, 32, 4) if m <= 64 else (64, 64, 32, 8)
     if m <= 16:

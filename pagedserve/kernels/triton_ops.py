@@ -2,7 +2,7 @@
 RMSNorm fused with the residual add, SiLU-and-mul, rotary embedding, and the KV-cache store
 by slot mapping. On CPU they run under `TRITON_INTERPRET=1` (slow; tests use small shapes).
 
-The model's layers (`worker/layers`, `worker/models/llama.py`) call these when the engine
+The model's layers (`plugins/models/`) call these when the engine
 runs the Triton attention backend (on CUDA by default), and their torch code otherwise.
 The KV store also writes the quantized caches (int8 rows with their scale, float8_e4m3fn).
 """

@@ -1,1 +1,3 @@
-"""The worker: engine, scheduler, model runner, KV cache, models and layers."""
+"""The worker service: the Redis-facing process around one engine (`pagedserve/engine/`).
+It reads requests from the queue, runs the engine's step loop, writes each step's deltas
+back, and beats its heartbeat; its traces and step statistics go to telemetry."""

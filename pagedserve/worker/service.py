@@ -31,11 +31,11 @@ from pagedserve.common.errors import PagedServeError
 from pagedserve.common.outputs import RequestDelta
 from pagedserve.common.queue_protocol import Chunk, WireError, WorkerInfo, tenant_stream_of
 from pagedserve.common.step_stats import FinishedRequestStats, StepStats
+from pagedserve.engine.engine import Engine
+from pagedserve.engine.input_processor import ResumedCompletion
 from pagedserve.prefix_cache.publisher import KVEventPublisher
 from pagedserve.telemetry.metrics import WorkerMetrics, serve_metrics
 from pagedserve.telemetry.tracing import Tracing
-from pagedserve.worker.engine import Engine
-from pagedserve.worker.input_processor import ResumedCompletion
 from pagedserve.worker.queue_consumer import OwnedEntry, QueueConsumer, StreamView, TakenEntry
 from pagedserve.worker.request_tracing import request_traces
 

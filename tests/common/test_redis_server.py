@@ -14,7 +14,7 @@ from redis.retry import Retry
 
 from pagedserve.common.config import ServeConfig
 from pagedserve.common.errors import InvalidParameterError
-from pagedserve.entrypoints.redis_server import (
+from pagedserve.common.redis_server import (
     EmbeddedRedis,
     RedisServerNotFound,
     _ping,

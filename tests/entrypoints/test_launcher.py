@@ -14,8 +14,8 @@ import httpx
 import psutil
 import pytest
 
+from pagedserve.common.redis_server import EmbeddedRedis
 from pagedserve.entrypoints.launcher import RestartPolicy, exit_reason, redact_url
-from pagedserve.entrypoints.redis_server import EmbeddedRedis
 
 from serve_helpers import LiveServer
 from tiny_models import build_checkpoint

@@ -24,8 +24,8 @@ from pagedserve.common.queue_protocol import (
     WireError,
     decode_request,
 )
+from pagedserve.common.redis_server import EmbeddedRedis
 from pagedserve.common.sampling_params import SamplingParams
-from pagedserve.entrypoints.redis_server import EmbeddedRedis
 from pagedserve.gateway.app import create_app
 from pagedserve.gateway.queue_client import QueueClient
 from pagedserve.gateway.tokenizer import PromptTokenizer

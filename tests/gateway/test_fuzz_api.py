@@ -29,7 +29,7 @@ from schemathesis.generation.modes import GenerationMode
 from pagedserve import LLM
 from pagedserve.common import queue_protocol as q
 from pagedserve.common.config import ServeConfig
-from pagedserve.entrypoints.redis_server import EmbeddedRedis
+from pagedserve.common.redis_server import EmbeddedRedis
 from pagedserve.gateway.app import create_app
 from pagedserve.gateway.tokenizer import PromptTokenizer
 from pagedserve.worker.service import WorkerService

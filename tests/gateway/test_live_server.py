@@ -17,7 +17,7 @@ import pytest
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.common import queue_protocol as q
-from pagedserve.entrypoints.redis_server import EmbeddedRedis
+from pagedserve.common.redis_server import EmbeddedRedis
 
 from serve_helpers import LiveServer
 from tiny_models import build_checkpoint

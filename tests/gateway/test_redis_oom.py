@@ -11,7 +11,7 @@ from litestar.testing import TestClient
 
 from pagedserve.common import queue_protocol as q
 from pagedserve.common.config import ServeConfig
-from pagedserve.entrypoints.redis_server import EmbeddedRedis
+from pagedserve.common.redis_server import EmbeddedRedis
 from pagedserve.gateway.app import create_app
 from pagedserve.gateway.tokenizer import PromptTokenizer
 

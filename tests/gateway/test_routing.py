@@ -15,8 +15,8 @@ from pagedserve.common.config import ServeConfig
 from pagedserve.common.contracts import RouteDecision
 from pagedserve.common.errors import InvalidParameterError, ServiceUnavailableError
 from pagedserve.common.queue_protocol import QueuedRequest, WorkerInfo, decode_request, encode
+from pagedserve.common.redis_server import EmbeddedRedis
 from pagedserve.common.sampling_params import SamplingParams
-from pagedserve.entrypoints.redis_server import EmbeddedRedis
 from pagedserve.gateway.queue_client import QueueClient
 from pagedserve.gateway.routing import RequestRouting, prefix_lookup_from_config
 from pagedserve.plugins.routers import CacheAwareRouter, LeastLoadedRouter

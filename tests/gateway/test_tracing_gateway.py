@@ -20,7 +20,7 @@ from pagedserve.common.queue_protocol import (
     CompletionDelta,
     QueuedRequest,
 )
-from pagedserve.entrypoints.redis_server import EmbeddedRedis
+from pagedserve.common.redis_server import EmbeddedRedis
 from pagedserve.gateway.app import create_app
 from pagedserve.gateway.tokenizer import PromptTokenizer
 from pagedserve.telemetry.tracing import Tracing

@@ -116,7 +116,7 @@ def test_quantize_zero_rows_and_extremes():
 
 def test_quantize_dequantize_error_within_half_a_scale_real_weights(tiny_checkpoint):
     """The real weights of a checkpoint (here a tiny random Llama's, as saved; the default
-    model's are checked by tests/worker/test_quantization.py when it is pulled)."""
+    model's are checked by tests/engine/test_quantization.py when it is pulled)."""
     from safetensors.torch import load_file
 
     weights = load_file(str(tiny_checkpoint("llama-gqa") / "model.safetensors"))

@@ -101,11 +101,12 @@ def test_engine_on_triton_matches_transformers(tiny_checkpoint):
 
 
 def _run_gpu_kernels_script(env: dict[str, str], name: str = "gpu_kernels") -> str:
-    """`python -m pagedserve.bench.<name> --smoke`, as the scripts' docstrings say to run them."""
+    """`python benchmarks/<name>.py --smoke`, as the scripts' docstrings say to run them."""
     import subprocess
-    import sys
 
-    command = [sys.executable, "-m", f"pagedserve.bench.{name}", "--smoke"]
+    from benchmark_scripts import benchmark_command
+
+    command = benchmark_command(name, "--smoke")
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout

@@ -122,7 +122,7 @@ def test_int8_linear_calls_the_triton_gemm_where_registered(monkeypatch):
 def test_register_op_and_the_worker_check(monkeypatch):
     """The worker registers the operator after the kernel's self-check passes, and not when
     it fails; once registered, torch.ops.pagedserve.w8a16_linear is the kernel."""
-    from pagedserve.worker import model_loader
+    from pagedserve.engine import model_loader
 
     registered = []
     monkeypatch.setattr(triton_int8, "register_op", lambda: registered.append(True))

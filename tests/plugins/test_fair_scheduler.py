@@ -6,9 +6,9 @@ from __future__ import annotations
 from pagedserve import SamplingParams
 from pagedserve.common.config import EngineConfig
 from pagedserve.common.contracts import Request, RequestStatus, RunnerOutput
+from pagedserve.engine.kv_cache_manager import KVCacheManager
 from pagedserve.plugins.fair_scheduler import FairScheduler
 from pagedserve.plugins.fcfs_scheduler import FCFSScheduler
-from pagedserve.worker.kv_cache_manager import KVCacheManager
 
 GREEDY = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
 

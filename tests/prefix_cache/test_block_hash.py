@@ -66,8 +66,8 @@ def test_prompt_block_hashes_match_the_kv_cache_manager():
     """The gateway's hashes of a prompt are the worker's, for every tenant salt."""
     from pagedserve.common.contracts import Request
     from pagedserve.common.sampling_params import SamplingParams
+    from pagedserve.engine.kv_cache_manager import KVCacheManager
     from pagedserve.prefix_cache.block_hash import prompt_block_hashes
-    from pagedserve.worker.kv_cache_manager import KVCacheManager
 
     tokens = list(range(100, 150))  # 3 full blocks of 16 and 2 tokens over
     for salt in (None, "tenant-a"):

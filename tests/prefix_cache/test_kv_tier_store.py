@@ -7,8 +7,8 @@ import msgspec
 import pytest
 from redis import Redis
 
-from pagedserve.entrypoints.redis_server import EmbeddedRedis
-from pagedserve.prefix_cache.kv_tier import KVLayout, KVTierStore, TierBlock
+from pagedserve.common.redis_server import EmbeddedRedis
+from pagedserve.prefix_cache.kv_tier_store import KVLayout, KVTierStore, TierBlock
 
 LAYOUT = KVLayout("tiny", "float32", block_size=4, num_layers=1, num_kv_heads=1, head_dim=2)  # 64-byte blocks
 

@@ -11,7 +11,7 @@ import pytest
 from redis import Redis
 
 from pagedserve.common import queue_protocol as q
-from pagedserve.entrypoints.redis_server import EmbeddedRedis
+from pagedserve.common.redis_server import EmbeddedRedis
 from pagedserve.prefix_cache import BlockPool
 from pagedserve.prefix_cache.block_hash import prompt_block_hashes
 from pagedserve.prefix_cache.index_client import IndexClient

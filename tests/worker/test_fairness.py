@@ -11,8 +11,8 @@ from pagedserve import LLM
 from pagedserve.common import queue_protocol as q
 from pagedserve.common.config import ServeConfig
 from pagedserve.common.queue_protocol import QueuedRequest
+from pagedserve.common.redis_server import EmbeddedRedis
 from pagedserve.common.sampling_params import SamplingParams
-from pagedserve.entrypoints.redis_server import EmbeddedRedis
 from pagedserve.gateway.queue_client import QueueClient
 from pagedserve.worker.service import WorkerService
 

@@ -20,8 +20,8 @@ from pagedserve.common.queue_protocol import (
     decode_chunk,
     encode,
 )
+from pagedserve.common.redis_server import EmbeddedRedis
 from pagedserve.common.sampling_params import SamplingParams
-from pagedserve.entrypoints.redis_server import EmbeddedRedis
 from pagedserve.worker.queue_consumer import QueueConsumer
 
 

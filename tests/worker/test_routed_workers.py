@@ -17,7 +17,7 @@ from pagedserve.common import queue_protocol as q
 from pagedserve.common.config import ServeConfig
 from pagedserve.common.contracts import RouteDecision, RouterPlugin, RoutingInput, WorkerCandidate
 from pagedserve.common.queue_protocol import OutputLog, QueuedRequest
-from pagedserve.entrypoints.redis_server import EmbeddedRedis
+from pagedserve.common.redis_server import EmbeddedRedis
 from pagedserve.gateway.queue_client import QueueClient
 from pagedserve.gateway.routing import RequestRouting
 from pagedserve.plugins.routers import CacheAwareRouter

@@ -16,8 +16,8 @@ from opentelemetry.trace import SpanKind, StatusCode
 from pagedserve import LLM, SamplingParams
 from pagedserve.common.config import ServeConfig
 from pagedserve.common.queue_protocol import QueuedRequest
+from pagedserve.common.redis_server import EmbeddedRedis
 from pagedserve.common.step_stats import StepStats
-from pagedserve.entrypoints.redis_server import EmbeddedRedis
 from pagedserve.gateway.queue_client import QueueClient
 from pagedserve.telemetry.tracing import Tracing
 from pagedserve.worker.service import WorkerService

@@ -55,4 +55,4 @@ class SamplerPlugin(ABC):
         """Sample one token per row of `logits`; logprobs when `metadata` asks for them.
 
         `metadata` is read-only: the runner hands the same object to later steps whose rows
-        are the same requests (worker/sampling_inputs.py)."""
+        are the same requests (engine/sampling_inputs.py)."""

@@ -40,7 +40,7 @@ constexpr bool kCompiled = false;
 #endif
 
 // on by default where compiled; `set_int8_vnni(False)` selects the float path (an A/B switch
-// for python -m pagedserve.bench.int8_ab, process-wide)
+// for python benchmarks/int8_ab.py, process-wide)
 std::atomic<bool> g_enabled{kCompiled};
 
 #ifdef PAGEDSERVE_INT8_VNNI

@@ -1,0 +1,237 @@
+"""Check and time the Triton attention kernel on a GPU, in one call, and print a table.
+
+    python benchmarks/gpu_kernels.py            # on an NVIDIA GPU (issue #4's figures)
+    python benchmarks/gpu_kernels.py --smoke    # tiny shapes; runs anywhere (TRITON_INTERPRET=1 on CPU)
+
+- copy bandwidth: a large device-to-device copy, the ceiling for memory-bound kernels;
+- decode attention, batch 64, contexts 1k-8k, Llama-3-8B heads (32 query, 8 KV, head_dim
+  128), bf16: bytes of K/V read per second against that ceiling (target >= 70%);
+- prefill attention, fresh causal chunks: TFLOP/s against torch's scaled_dot_product_attention
+  on the same shapes (target >= 0.8x);
+- decode attention over quantized KV caches (int8 rows with their scale, float8_e4m3fn rows;
+  float8 on sm_89+ only), same batches: K/V bytes read per second, and the time against the
+  bf16 cache's;
+- the w8a16 GEMM (int8 weights, bf16 activations) on Llama-3-8B's projections at M = 1-256:
+  TFLOP/s, GB/s of weight + activation traffic, and its time against torch's bf16 matmul
+  (its "max |diff|" is relative to the output's largest value).
+Every timed case is first checked against a torch reference.
+
+The end-to-end figures (a Llama-3-8B-shaped model against transformers) are
+benchmarks/gpu_e2e.py's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+
+def _timed(fn, device: torch.device, repeat: int) -> float:
+    """Median seconds of fn() over `repeat` runs, after one warm-up."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def copy_bandwidth(device: torch.device, num_bytes: int, repeat: int) -> float:
+    src = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return 2 * num_bytes / _timed(lambda: dst.copy_(src), device, repeat)  # read + write
+
+
+def _batch(query_lens, seq_lens, heads, kv_heads, head_dim, block_size, dtype, device, seed=0):
+    from pagedserve.common.contracts import AttentionMetadata
+
+    g = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_seq)
+    perm = torch.randperm(num_blocks, generator=g)
+    tables, offset = [], 0
+    for n in blocks_per_seq:
+        tables.append(perm[offset : offset + n].tolist())
+        offset += n
+    meta = AttentionMetadata.for_batch(query_lens, seq_lens, tables, block_size, device)
+    n_tokens = sum(query_lens)
+    query = torch.randn(n_tokens, heads, head_dim, generator=g).to(device, dtype)
+    key = torch.randn(n_tokens, kv_heads, head_dim, generator=g).to(device, dtype)
+    value = torch.randn(n_tokens, kv_heads, head_dim, generator=g).to(device, dtype)
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=g).to(device, dtype)
+    return query, key, value, cache, meta
+
+
+def _check(query, key, value, cache, meta, block_size, scale) -> float:
+    """Max abs difference of the Triton backend from the torch backend on this batch."""
+    from pagedserve.kernels.torch_attention import TorchAttentionBackend
+    from pagedserve.kernels.triton_attention import TritonAttentionBackend
+
+    outs = []
+    for backend in (TorchAttentionBackend(), TritonAttentionBackend()):
+        backend.prepare(meta, block_size)
+        outs.append(backend.forward(query, key, value, cache.clone(), meta, scale).float())
+    return (outs[0] - outs[1]).abs().max().item()
+
+
+def pick_device(smoke: bool) -> tuple[torch.device, str] | None:
+    """The GPU, or without one the CPU under Triton's interpreter, which only --smoke may use
+    (None then, after saying so). Call before importing any kernel."""
+    if torch.cuda.is_available():
+        return torch.device("cuda"), torch.cuda.get_device_name()
+    if not smoke:
+        print("no GPU: run with --smoke to check the script on tiny shapes", file=sys.stderr)
+        return None
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    return torch.device("cpu"), "CPU (Triton interpreter)"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script itself")
+    args = parser.parse_args()
+    picked = pick_device(args.smoke)
+    if picked is None:
+        return 2
+    device, name = picked
+    from pagedserve.kernels.triton_attention import TritonAttentionBackend, paged_attention
+
+    if args.smoke:
+        heads, kv_heads, head_dim, block_size, batch = 4, 2, 64, 16, 2
+        contexts, prefill_lens, copy_bytes, repeat = [40, 70], [32], 1 << 20, 1
+    else:
+        heads, kv_heads, head_dim, block_size, batch = 32, 8, 128, 16, 64
+        contexts, prefill_lens, copy_bytes, repeat = [1024, 2048, 4096, 8192], [1024, 2048, 4096], 1 << 30, 20
+    dtype = torch.bfloat16
+    scale = head_dim**-0.5
+    copy_bw = copy_bandwidth(device, copy_bytes, repeat)
+    print(f"device: {name}; torch {torch.__version__}; copy bandwidth {copy_bw / 1e9:.0f} GB/s")
+    print(f"{'case':34}{'max |diff|':>12}{'time ms':>10}{'figure':>22}")
+    ok = True
+
+    for ctx in contexts:  # decode: one query per sequence, batch of them
+        q, k, v, cache, meta = _batch([1] * batch, [ctx] * batch, heads, kv_heads, head_dim, block_size, dtype, device)
+        diff = _check(q, k, v, cache, meta, block_size, scale)
+        backend = TritonAttentionBackend()
+        backend.prepare(meta, block_size)
+        out = torch.empty_like(q)
+        seconds = _timed(lambda q=q, cache=cache, meta=meta, out=out: paged_attention(q, cache, meta, scale, out), device, repeat)
+        kv_bytes = 2 * batch * ctx * kv_heads * head_dim * cache.element_size()
+        bw = kv_bytes / seconds
+        ok &= diff < 5e-2
+        print(f"{f'decode b={batch} ctx={ctx}':34}{diff:12.2e}{seconds * 1e3:10.3f}"
+              f"{f'{bw / 1e9:.0f} GB/s = {100 * bw / copy_bw:.0f}%':>22}")
+
+    for length in prefill_lens:  # prefill: fresh causal chunks, 4 sequences
+        n_seq = 4 if not args.smoke else 1
+        q, k, v, cache, meta = _batch([length] * n_seq, [length] * n_seq, heads, kv_heads, head_dim, block_size,
+                                      dtype, device)
+        diff = _check(q, k, v, cache, meta, block_size, scale)
+        backend = TritonAttentionBackend()
+        backend.prepare(meta, block_size)
+        from pagedserve.kernels.triton_ops import kv_store
+
+        kv_store(k, v, cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        seconds = _timed(lambda q=q, cache=cache, meta=meta, out=out: paged_attention(q, cache, meta, scale, out), device, repeat)
+        flops = n_seq * 2 * 2 * heads * head_dim * length * length / 2  # QK^T and PV, causal half
+        dq = q.view(n_seq, length, heads, head_dim).transpose(1, 2)
+        dk = k.view(n_seq, length, kv_heads, head_dim).transpose(1, 2)
+        dv = v.view(n_seq, length, kv_heads, head_dim).transpose(1, 2)
+
+        def sdpa(dq=dq, dk=dk, dv=dv):
+            return torch.nn.functional.scaled_dot_product_attention(dq, dk, dv, is_causal=True, scale=scale, enable_gqa=True)
+
+        sdpa_seconds = _timed(sdpa, device, repeat)
+        ok &= diff < 5e-2
+        print(f"{f'prefill {n_seq}x{length}':34}{diff:12.2e}{seconds * 1e3:10.3f}"
+              f"{f'{flops / seconds / 1e12:.1f} TF/s = {sdpa_seconds / seconds:.2f}x SDPA':>22}")
+    ok &= quantized_decode_cases(device, args.smoke, contexts, batch, heads, kv_heads, head_dim, block_size, scale,
+                                 repeat, copy_bw)
+    ok &= gemm_cases(device, args.smoke, repeat)
+    print("all checks passed" if ok else "CHECK FAILED: the Triton kernel disagrees with the torch backend")
+    return 0 if ok else 1
+
+
+def quantized_decode_cases(device, smoke, contexts, batch, heads, kv_heads, head_dim, block_size, scale, repeat,
+                           copy_bw) -> bool:
+    """Decode attention over int8 and float8_e4m3fn caches, checked against the torch
+    backend's decode attention over the same cache dequantized to bf16."""
+    from pagedserve.kernels import triton_ops
+    from pagedserve.kernels.reference_ops import dequantize_kv_rows, quantize_kv_rows
+    from pagedserve.kernels.torch_attention import TorchAttentionBackend
+    from pagedserve.kernels.triton_attention import TritonAttentionBackend, paged_attention
+
+    dtype, ok = torch.bfloat16, True
+    cache_dtypes = [torch.int8, torch.float8_e4m3fn]
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        print("float8_e4m3fn KV cache: skipped, this GPU has no float8 (sm_89+)")
+        cache_dtypes.remove(torch.float8_e4m3fn)
+    for ctx in contexts:
+        q, _, _, cache, meta = _batch([1] * batch, [ctx] * batch, heads, kv_heads, head_dim, block_size, dtype, device)
+        backend = TritonAttentionBackend()
+        backend.prepare(meta, block_size)
+        out = torch.empty_like(q)
+        float_seconds = _timed(lambda q=q, cache=cache, meta=meta, out=out: paged_attention(q, cache, meta, scale, out),
+                               device, repeat)
+        for cache_dtype in cache_dtypes:
+            qcache = quantize_kv_rows(cache, cache_dtype)
+            triton_ops.check_kv_cache_device(qcache)
+            reference = TorchAttentionBackend()
+            reference.prepare(meta, block_size)
+            want = reference.attend_decodes(q, dequantize_kv_rows(qcache, head_dim, dtype), meta, scale).float()
+            backend.prepare(meta, block_size)  # the reference's prepare replaced the plan
+            got = paged_attention(q, qcache, meta, scale, torch.empty_like(q)).float()
+            diff = (got - want).abs().max().item()
+            seconds = _timed(lambda q=q, c=qcache, meta=meta, out=out: paged_attention(q, c, meta, scale, out),
+                             device, repeat)
+            kv_bytes = 2 * batch * ctx * kv_heads * qcache.shape[-1] * qcache.element_size()
+            bw = kv_bytes / seconds
+            ok &= diff < 5e-2
+            name = "int8" if cache_dtype == torch.int8 else "fp8"
+            print(f"{f'decode kv-{name} b={batch} ctx={ctx}':34}{diff:12.2e}{seconds * 1e3:10.3f}"
+                  f"{f'{bw / 1e9:.0f} GB/s = {100 * bw / copy_bw:.0f}%, {float_seconds / seconds:.2f}x bf16':>34}")
+    return ok
+
+
+#: Llama-3-8B's linear layers: (name, out features N, in features K)
+LLAMA3_8B_LINEARS = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
+
+
+def gemm_cases(device, smoke, repeat) -> bool:
+    """The w8a16 GEMM against torch's bf16 matmul of the dequantized weight, checked against
+    the float32 reference (relative to the output's largest value)."""
+    from pagedserve.kernels.triton_int8 import w8a16_linear, w8a16_linear_ref
+
+    shapes, rows = ([("tiny", 48, 72)], [1, 17]) if smoke else (LLAMA3_8B_LINEARS, [1, 2, 4, 8, 16, 32, 64, 128, 256])
+    dtype, ok = torch.bfloat16, True
+    g = torch.Generator().manual_seed(0)
+    for name, n, k in shapes:
+        w = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8).to(device)
+        scale = (torch.rand(n, generator=g) * 0.05 / 127).to(device)
+        w_bf16 = (w.float() * scale[:, None]).to(dtype)  # what torch's path multiplies by
+        for m in rows:
+            x = torch.randn(m, k, generator=g).to(device, dtype)
+            want = w8a16_linear_ref(x, w, scale).float()
+            rel = ((w8a16_linear(x, w, scale).float() - want).abs().max() / want.abs().max()).item()
+            seconds = _timed(lambda x=x, w=w, s=scale: w8a16_linear(x, w, s), device, repeat)
+            torch_seconds = _timed(lambda x=x, wb=w_bf16: torch.nn.functional.linear(x, wb), device, repeat)
+            traffic = n * k + 4 * n + 2 * m * (k + n)  # int8 weight, scales, bf16 x and y
+            ok &= rel < 1e-2
+            figure = (f"{2 * m * n * k / seconds / 1e12:.2f} TF/s {traffic / seconds / 1e9:.0f} GB/s, "
+                      f"{torch_seconds / seconds:.2f}x bf16")
+            print(f"{f'w8a16 {name} M={m} N={n} K={k}':34}{rel:12.2e}{seconds * 1e3:10.3f}{figure:>34}")
+    return ok
+
+
+if __name__ == "__main__":
+    sys.exit(main())
