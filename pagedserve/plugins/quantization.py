@@ -27,7 +27,7 @@ from pagedserve.common.contracts import QuantizationPlugin, QuantizationReport
 #: (`torch.ops.pagedserve.int8_linear`, kernels/csrc/cpu_decode.cpp) up to this many rows,
 #: and above it dequantizes the weight (`torch.ops.pagedserve.int8_dequantize`) for float32
 #: `F.linear`. Measured on the default model's four shapes, one thread (python -m
-#: benchmarks/int8_linear.py --threads 1; docs/performance.md, "int8 weights"): the int8
+#: benchmarks/int8_linear.py --threads 1; docs/performance-history.md, "int8 weights"): the int8
 #: kernel takes 0.4-0.6x the time of float32 F.linear at M = 1-4 and about the same at
 #: M = 16 (qkv+o+gate_up+down: 1.65 ms against 1.77 ms dequantize + F.linear), but it is a
 #: blocked GEMV, not a GEMM: at M = 32-1024 it takes 1.1-2x F.linear's time, while the

@@ -102,7 +102,7 @@ def float32_perplexity():
 def test_default_model_perplexity_within_bound(float32_perplexity, overrides, bound):
     """Perplexity of the default model on Jekyll and Hyde (20,480 tokens), float32 against
     a quantized engine: at most `bound` times float32's (issue #17: int8 weights 2%, int8
-    KV 1%). Both figures are printed (docs/performance.md, "Perplexity")."""
+    KV 1%). Both figures are printed (docs/performance-history.md, "Perplexity")."""
     base = float32_perplexity
     result = default_model_perplexity(**overrides)
     ratio = result.value / base.value
