@@ -80,7 +80,7 @@ def in_process(model: str, dtype: str, threads: int, max_seqs: int, prompts, out
 
 
 def over_http(model: str, dtype: str, threads: int, max_seqs: int, prompts, output_lens, concurrency: int) -> dict:
-    from pagedserve.bench.metrics import summarize
+    from pagedserve.bench.request_stats import summarize
     from pagedserve.bench.serve import run_benchmark
 
     flags = ("--num-workers", "1", "--dtype", dtype, "--num-threads", str(threads), "--max-num-seqs", str(max_seqs))

@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
-from pagedserve.bench.metrics import latency_stats
+from pagedserve.bench.request_stats import latency_stats
 from pagedserve.common.errors import InvalidParameterError
 
 #: the fixed prompts; client i starts at prompt i and walks through them in turn

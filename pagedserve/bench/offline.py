@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from pagedserve.bench.metrics import latency_stats
+from pagedserve.bench.request_stats import latency_stats
 from pagedserve.bench.workloads import grounded_workload, workload
 
 

@@ -6,7 +6,7 @@ Sends a workload of bench/workloads.py (`serve`: token-id prompts of the `mixed`
 `multi-turn`: conversations whose turns go one after another; `many-prefixes`: 32 shared
 system prompts) to `/v1/completions` with streaming, at Poisson arrivals of a given rate
 (or all at once) and at most `max_concurrency` in flight, and reports what vLLM's benchmark
-client reports (TTFT, TPOT, ITL, E2E, goodput; see pagedserve.bench.metrics) and, where the
+client reports (TTFT, TPOT, ITL, E2E, goodput; see pagedserve.bench.request_stats) and, where the
 server reports cached prompt tokens in its usage, the prefix hit rate.
 """
 
@@ -21,7 +21,7 @@ import time
 from collections.abc import Sequence
 
 from pagedserve.bench import server_counters
-from pagedserve.bench.metrics import RequestRecord, format_summary, parse_slo, summarize
+from pagedserve.bench.request_stats import RequestRecord, format_summary, parse_slo, summarize
 from pagedserve.bench.workloads import Conversation, conversations
 
 

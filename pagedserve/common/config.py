@@ -240,7 +240,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     # a worker serves its Prometheus metrics on this port (`serve`: worker i on this port + i); None: no metrics server
     worker_metrics_port: int | None = None
     worker_metrics_host: str = "127.0.0.1"  # the address the workers' metrics servers listen on (0.0.0.0: every interface)
-    # Routing (gateway/routing.py): which worker's stream a request goes to
+    # Routing (gateway/request_routing.py): which worker's stream a request goes to
     router: str = "cache-aware"  # entry point in pagedserve.routers (cache-aware | least-loaded)
     prefix_cache_url: str | None = None  # the prefix cache service the gateway asks who holds a prompt; None: route by load
     # cache-aware: the worker holding the longest prefix wins unless its load (requests taken

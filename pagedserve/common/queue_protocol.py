@@ -13,7 +13,7 @@ Keys:
                                    in each. An entry lives until its final outcome, so a
                                    stream's length is its tenant's requests in flight
     pagedserve:routed:{worker_id}[:{tenant}]
-                                   the same, routed to one worker (gateway/routing.py): that
+                                   the same, routed to one worker (gateway/request_routing.py): that
                                    worker reads it before the shared streams; another worker
                                    takes its entries when it is dead, or when they wait
                                    longer than steal_after (a steal)

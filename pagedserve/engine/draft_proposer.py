@@ -15,7 +15,7 @@ decode fast paths as the target (the fused C++ step on CPU, CUDA graphs on GPU),
 pool of `speculative_kv_memory` bytes. Its blocks are this proposer's alone: no prefix
 caching. A sequence that needs blocks when none are free takes those of the sequences that
 proposed least recently (they catch up again when they next propose), else proposes nothing
-this step. Drafts are the draft model's argmax; verification (engine/speculative.py) keeps the
+this step. Drafts are the draft model's argmax; verification (engine/speculator.py) keeps the
 target's output exact whatever they are.
 """
 

@@ -30,7 +30,7 @@ from pagedserve.engine.kv_cache_manager import KVCacheManager
 from pagedserve.engine.kv_tier import KVTier
 from pagedserve.engine.model_runner import ModelRunner
 from pagedserve.engine.output_processor import OutputProcessor
-from pagedserve.engine.speculative import Speculator
+from pagedserve.engine.speculator import Speculator
 from pagedserve.engine.stats_collector import StepStatsCollector
 from pagedserve.plugins import load_plugin
 from pagedserve.prefix_cache.block_hash import kv_dtype_key

@@ -31,7 +31,7 @@ from pagedserve.engine.device import resolve_device, resolve_dtype
 from pagedserve.engine.kv_cache_pool import KVCachePool, KVCacheSpec, resolve_kv_cache_dtype
 from pagedserve.engine.model_loader import load_model
 from pagedserve.engine.sampling_inputs import SamplingInputs, sampled_logprobs
-from pagedserve.engine.speculative import draft_prefixes, verify
+from pagedserve.engine.speculator import draft_prefixes, verify
 from pagedserve.kernels.cpu_decode import FusedDecoder, fused_decode_supported
 from pagedserve.kernels.selector import select_kernels
 from pagedserve.plugins import load_plugin

@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from pagedserve.bench.cli import add_bench_parsers
+from pagedserve.bench.subcommands import add_bench_parsers
 from pagedserve.common.config import DEFAULT_MODEL
 from pagedserve.common.errors import InvalidParameterError, PagedServeError
 

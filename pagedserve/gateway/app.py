@@ -31,12 +31,16 @@ from pagedserve.gateway.errors import (
     validation_error_handler,
 )
 from pagedserve.gateway.http_metrics import count_answers, metrics_endpoint
+from pagedserve.gateway.http_tracing import server_span_middleware
 from pagedserve.gateway.queue_client import QueueClient
+from pagedserve.gateway.request_routing import (
+    RequestRouting,
+    build_router,
+    prefix_lookup_from_config,
+)
 from pagedserve.gateway.routes import ROUTE_HANDLERS
-from pagedserve.gateway.routing import RequestRouting, build_router, prefix_lookup_from_config
 from pagedserve.gateway.state import GatewayState
 from pagedserve.gateway.tokenizer import PromptTokenizer
-from pagedserve.gateway.tracing import server_span_middleware
 from pagedserve.telemetry.tracing import Tracing
 
 logger = logging.getLogger(__name__)

@@ -24,13 +24,13 @@ from litestar.params import Body
 from litestar.response import Stream
 
 from pagedserve.gateway.errors import error_response
+from pagedserve.gateway.http_tracing import note_request, span_of
 from pagedserve.gateway.json_limits import check_json_body
 from pagedserve.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from pagedserve.gateway.responses import ResponseBuilder
 from pagedserve.gateway.state import GatewayState
 from pagedserve.gateway.streaming import serve
 from pagedserve.gateway.tokenizer import PromptTokenizer
-from pagedserve.gateway.tracing import note_request, span_of
 from pagedserve.gateway.validation import (
     authenticate,
     check_model,

@@ -20,7 +20,7 @@ from pagedserve.common.config import ServeConfig
 from pagedserve.common.sampling_params import MAX_N
 from pagedserve.gateway.auth import TenantLimits
 from pagedserve.gateway.queue_client import QueueClient
-from pagedserve.gateway.routing import RequestRouting
+from pagedserve.gateway.request_routing import RequestRouting
 from pagedserve.gateway.tokenizer import PromptTokenizer
 from pagedserve.telemetry.metrics import GatewayMetrics
 from pagedserve.telemetry.tracing import Tracing

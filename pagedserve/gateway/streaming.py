@@ -26,10 +26,10 @@ from pagedserve.common.queue_protocol import CompletionDelta, OutputLog, QueuedR
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.gateway.auth import TenantLimits
 from pagedserve.gateway.errors import wire_error_response
+from pagedserve.gateway.http_tracing import note_answer, span_of, traceparent_for_queue
 from pagedserve.gateway.queue_client import RequestLost, ShuttingDown
 from pagedserve.gateway.responses import ResponseBuilder
 from pagedserve.gateway.state import GatewayState
-from pagedserve.gateway.tracing import note_answer, span_of, traceparent_for_queue
 from pagedserve.gateway.validation import check_admission
 
 logger = logging.getLogger(__name__)

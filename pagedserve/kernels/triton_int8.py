@@ -1,6 +1,6 @@
 """Weight-only int8 GEMM in Triton (w8a16): y = x · (weight · scale)ᵀ + bias, with x float16,
 bfloat16 or float32 [M, K], weight int8 [N, K] and one float32 scale per output row (the
-layout of the built-in `int8` method, plugins/quantization.py).
+layout of the built-in `int8` method, plugins/int8_quantization.py).
 
 Each program computes a [BLOCK_M, BLOCK_N] tile of y: it walks K in BLOCK_K steps, widens
 the int8 weight tile to x's dtype (every int8 value is exact in fp16/bf16) and accumulates

@@ -9,7 +9,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from pagedserve.bench.metrics import RequestRecord, parse_slo, percentile, summarize
+from pagedserve.bench.request_stats import RequestRecord, parse_slo, percentile, summarize
 from pagedserve.bench.workloads import serve_workload
 from pagedserve.common.errors import InvalidParameterError
 from pagedserve.entrypoints.cli import main

@@ -31,7 +31,7 @@ def test_unknown_quantization_is_refused_before_loading():
 def test_default_model_weights_within_the_int8_rounding_bound():
     from pagedserve.common.model_store import resolve_model
     from pagedserve.engine.model_loader import iter_safetensors
-    from pagedserve.plugins.quantization import dequantize, quantize_per_channel
+    from pagedserve.plugins.int8_quantization import dequantize, quantize_per_channel
 
     checked = 0
     for name, w in iter_safetensors(resolve_model("smollm2-135m-instruct")):

@@ -18,7 +18,7 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.common.contracts import ProposerPlugin
 from pagedserve.common.errors import InvalidParameterError
 from pagedserve.engine.sampling_inputs import position_seed
-from pagedserve.engine.speculative import verify
+from pagedserve.engine.speculator import verify
 from pagedserve.plugins.ngram_proposer import lookup
 
 from engine_helpers import assert_pool_clean, assert_same_completions, mixed_prompts

@@ -175,7 +175,7 @@ def test_bench_serve_client_against_the_live_server(server):
     """`pagedserve bench serve`'s client, on a handful of requests (issue #5)."""
     import asyncio
 
-    from pagedserve.bench.metrics import summarize
+    from pagedserve.bench.request_stats import summarize
     from pagedserve.bench.serve import run_benchmark
 
     prompts = [[5, 6, 7], list(range(10, 40)), [9] * 17, [100, 200]]

@@ -18,7 +18,7 @@ from pagedserve.common.queue_protocol import QueuedRequest, WorkerInfo, decode_r
 from pagedserve.common.redis_server import EmbeddedRedis
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.gateway.queue_client import QueueClient
-from pagedserve.gateway.routing import RequestRouting, prefix_lookup_from_config
+from pagedserve.gateway.request_routing import RequestRouting, prefix_lookup_from_config
 from pagedserve.plugins.routers import CacheAwareRouter, LeastLoadedRouter
 from pagedserve.prefix_cache.block_hash import prompt_block_hashes
 from pagedserve.telemetry.metrics import GatewayMetrics

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.kernels.cpu_attention import cpu_kernels
-from pagedserve.plugins.quantization import (
+from pagedserve.plugins.int8_quantization import (
     Int8Linear,
     Int8Quantization,
     dequantize,
@@ -277,7 +277,7 @@ def test_int8_linear_kernel_refuses_wrong_dtypes_and_shapes():
 def test_int8_module_forward_equals_the_dequantized_linear(rows, with_kernels, monkeypatch):
     """Both sides of the switch-over (the C++ kernel up to 16 rows, 128 with the VNNI kernel;
     dequantize + F.linear above), and the plain torch fallback when the extension is not loaded."""
-    import pagedserve.plugins.quantization as quantization
+    import pagedserve.plugins.int8_quantization as quantization
 
     if with_kernels and cpu_kernels() is None:
         pytest.skip("the CPU kernels need a C++ compiler")
@@ -342,7 +342,7 @@ def test_unknown_quantization_is_an_invalid_parameter():
 
 @needs_vnni
 def test_the_int8_kernel_takes_up_to_128_rows_with_vnni_and_16_without():
-    import pagedserve.plugins.quantization as quantization
+    import pagedserve.plugins.int8_quantization as quantization
 
     kernels = cpu_kernels()
     previous = kernels.set_int8_vnni(True)

@@ -87,7 +87,7 @@ def test_w8a16_large_tile_and_leading_dims():
 
 def test_w8a16_reference_is_the_dequantized_linear():
     """The reference is Int8Linear's meaning: F.linear with the dequantized weight."""
-    from pagedserve.plugins.quantization import dequantize
+    from pagedserve.plugins.int8_quantization import dequantize
 
     x, w, scale, b = _operands(4, 40, 24, torch.float32)
     torch.testing.assert_close(w8a16_linear_ref(x, w, scale, b),
@@ -97,7 +97,7 @@ def test_w8a16_reference_is_the_dequantized_linear():
 def test_int8_linear_calls_the_triton_gemm_where_registered(monkeypatch):
     """On a device in TRITON_GEMM_DEVICES (CUDA; CPU here, for the test) Int8Linear calls the
     registered `w8a16_linear` operator, and its result is the kernel's."""
-    from pagedserve.plugins import quantization
+    from pagedserve.plugins import int8_quantization as quantization
 
     linear = torch.nn.Linear(72, 40, bias=True).to(DEVICE, torch.bfloat16)
     module = quantization.Int8Linear.from_linear(linear)

@@ -19,7 +19,7 @@ from pagedserve.common.contracts import RouteDecision, RouterPlugin, RoutingInpu
 from pagedserve.common.queue_protocol import OutputLog, QueuedRequest
 from pagedserve.common.redis_server import EmbeddedRedis
 from pagedserve.gateway.queue_client import QueueClient
-from pagedserve.gateway.routing import RequestRouting
+from pagedserve.gateway.request_routing import RequestRouting
 from pagedserve.plugins.routers import CacheAwareRouter
 from pagedserve.telemetry.metrics import GatewayMetrics
 from pagedserve.worker.service import WorkerService

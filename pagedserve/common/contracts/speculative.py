@@ -4,12 +4,12 @@ A proposer plugin (entry-point group `pagedserve.proposers`) is built by
 `factory(config: EngineConfig)`. After each step the engine asks it for drafts: up to
 `max_tokens[i]` tokens that it guesses will follow `requests[i].token_ids`. The next step
 verifies them in one forward pass of the target model and keeps the longest prefix the
-target's own sampling agrees with, plus one token of its own (engine/speculative.py).
+target's own sampling agrees with, plus one token of its own (engine/speculator.py).
 
 Drafts are point guesses: a proposer returns token ids, not a distribution. Verification
 samples the target at every draft position and accepts a draft while it equals that
 sample, which reproduces the target's distribution exactly whatever the sampling settings
-(the accept/reject rule with q = a point mass; see engine/speculative.py). A proposer only
+(the accept/reject rule with q = a point mass; see engine/speculator.py). A proposer only
 changes how fast tokens come, never which.
 """
 

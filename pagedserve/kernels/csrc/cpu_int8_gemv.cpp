@@ -1,6 +1,6 @@
 // int8 × int8 products for the int8 weights' few-row linear layers (AVX-512 VNNI).
 //
-// The int8 weights (plugins/quantization.py's Int8Linear: int8 rows [out, in], one float32
+// The int8 weights (plugins/int8_quantization.py's Int8Linear: int8 rows [out, in], one float32
 // scale per row) are used as they are, with no repacked copy. The activation rows are
 // quantized on the fly, as llama.cpp's Q8_0 activations: one float32 scale d per block of 32
 // values (d = max|x| / 127, q = round(x / d), |q·d - x| <= d/2), so a product is a sum of
