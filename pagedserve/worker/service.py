@@ -36,7 +36,9 @@ from pagedserve.engine.input_processor import ResumedCompletion
 from pagedserve.prefix_cache.publisher import KVEventPublisher
 from pagedserve.telemetry.metrics import WorkerMetrics, serve_metrics
 from pagedserve.telemetry.tracing import Tracing
-from pagedserve.worker.queue_consumer import OwnedEntry, QueueConsumer, StreamView, TakenEntry
+from pagedserve.worker.heartbeat import OwnedEntry
+from pagedserve.worker.queue_consumer import QueueConsumer
+from pagedserve.worker.request_reader import StreamView, TakenEntry
 from pagedserve.worker.request_tracing import request_traces
 
 logger = logging.getLogger(__name__)
@@ -86,7 +88,7 @@ class WorkerService:
     def run(self) -> None:
         """Serve until drained (SIGTERM/SIGINT, see `drain`)."""
         self.last_pass = time.monotonic()
-        self.queue.start_heartbeat(self.info, self.loop_alive)
+        self.queue.heartbeat.start(self.info, self.loop_alive)
         logger.info("worker %s serving %s (max_model_len %d)", self.worker_id, self.engine.config.model,
                     self.engine.max_model_len)
         backoff = 0.1
@@ -143,7 +145,7 @@ class WorkerService:
     # -- one pass of the loop ---------------------------------------------------------------
     def _iteration(self) -> bool:
         """Returns False when the worker is done (drained)."""
-        self.queue.flush()  # what an earlier pass could not write goes first, in order
+        self.queue.outbox.flush()  # what an earlier pass could not write goes first, in order
         self._apply_cancellations()
         self._apply_lost()
         self._expire_deadlines()
@@ -156,7 +158,7 @@ class WorkerService:
                     self._end(run, WireError(message="the worker shut down before this request finished",
                                              type="server_error", code="worker_shutdown", status_code=503))
                 self._observe(None)
-                self.queue.flush()
+                self.queue.outbox.flush()
                 return False
         else:
             self._take_requests()
@@ -167,7 +169,7 @@ class WorkerService:
         if self.kv_events is not None:
             self.kv_events.publish()
         self._observe(step)
-        self.queue.flush()
+        self.queue.outbox.flush()
         return True
 
     def _observe(self, step: StepStats | None) -> None:
@@ -199,22 +201,22 @@ class WorkerService:
     def _take_requests(self) -> None:
         if time.monotonic() >= self._next_reclaim:
             if (room := self._room()) > 0:
-                for entry in self.queue.reclaim(room):
+                for entry in self.queue.takeover.reclaim(room):
                     self._start(entry)
             self._next_reclaim = time.monotonic() + self.config.heartbeat_interval
-        view = self.queue.streams()
+        view = self.queue.reader.streams()
         if (room := self._room()) > 0:
             block = None if self.engine.has_unfinished_requests() else _IDLE_BLOCK_MS
             # a busy worker leaves other workers' queued prompts to them (and to their caches)
-            taken = self.queue.pull(room, block, view, steal=len(self.running) <= self.config.steal_max_running)
+            taken = self.queue.reader.pull(room, block, view, steal=len(self.running) <= self.config.steal_max_running)
         else:
             # Full: still take one request of each tenant that has nothing here, so that the
             # scheduler can give it its share at the next step instead of after the others.
             # (One per stream: a tenant's own routed stream and its shared one count apart.)
             present = {tenant_stream_of(run.stream) for run in self.running.values()}
             newcomers = [s for s in view.own + view.shared if tenant_stream_of(s) not in present]
-            taken = self.queue.pull(len(newcomers), None, StreamView(own=[], shared=newcomers, others=[],
-                                                                     orphaned=view.orphaned)) if newcomers else []
+            taken = self.queue.reader.pull(len(newcomers), None, StreamView(own=[], shared=newcomers, others=[],
+                                                                            orphaned=view.orphaned)) if newcomers else []
         if self.metrics is not None and (stolen := sum(e.stolen for e in taken)):
             self.metrics.count_steals(stolen)
         for entry in taken:
@@ -229,14 +231,14 @@ class WorkerService:
             if (mine.stream, mine.entry_id) != (entry.stream, entry.entry_id):
                 logger.error("entry %s of %s repeats running request %s; dropped", entry.entry_id, entry.stream,
                              request.request_id)
-                self.queue.ack(entry.stream, entry.entry_id)
+                self.queue.outbox.ack(entry.stream, entry.entry_id)
             return
         run = _Running(entry.stream, entry.entry_id, request.request_id, entry.attempt, request.deadline)
         if self.metrics is not None and entry.attempt == 1 and request.enqueued_at is not None:
             # a later delivery's wait since admission includes the run on a worker that died
             self.metrics.observe_queue_time(time.time() - request.enqueued_at)
-        if self.queue.is_cancelled(request.request_id):
-            self.queue.ack(entry.stream, entry.entry_id)  # the client left while it was queued
+        if self.queue.cancellations.is_cancelled(request.request_id):
+            self.queue.outbox.ack(entry.stream, entry.entry_id)  # the client left while it was queued
             self._count_unstarted("abort", request.params.n)
             return
         self.traces.start(request, entry.attempt)
@@ -281,9 +283,9 @@ class WorkerService:
 
     def _resume_state(self, run: _Running, n: int) -> list[ResumedCompletion] | None:
         """What the client has of each completion; None (and the entry settled) if nothing is left."""
-        log = self.queue.claim_output(run.request_id, run.attempt, n)
+        log = self.queue.takeover.claim_output(run.request_id, run.attempt, n)
         if log.done:
-            self.queue.ack(run.stream, run.entry_id)
+            self.queue.outbox.ack(run.stream, run.entry_id)
             return None
         if all(c.finish_reason is not None for c in log.completions):
             self._end(run, None, started=False)
@@ -292,17 +294,17 @@ class WorkerService:
 
     # -- aborts ------------------------------------------------------------------------------
     def _apply_cancellations(self) -> None:
-        for request_id in self.queue.cancellations():
+        for request_id in self.queue.cancellations.poll():
             run = self.running.get(request_id)
             if run is not None:
                 logger.info("request %s cancelled by its client", request_id)
                 self.num_cancelled += 1
                 self._forget(run)
-                self.queue.ack(run.stream, run.entry_id)
-                self.queue.delete_output(request_id)
+                self.queue.outbox.ack(run.stream, run.entry_id)
+                self.queue.outbox.delete_output(request_id)
 
     def _apply_lost(self) -> None:
-        lost = self.queue.lost_entries()
+        lost = self.queue.heartbeat.lost_entries()
         for run in [r for r in self.running.values() if (r.stream, r.entry_id) in lost]:
             logger.warning("request %s was taken over by another worker; dropping it here", run.request_id)
             self._forget(run, record=False)  # the worker that took it over counts it
@@ -313,7 +315,7 @@ class WorkerService:
             self._end(run, _timeout_error(self.config))
 
     def _owned_changed(self) -> None:
-        self.queue.set_owned(OwnedEntry(r.stream, r.entry_id, r.request_id) for r in self.running.values())
+        self.queue.heartbeat.set_owned(OwnedEntry(r.stream, r.entry_id, r.request_id) for r in self.running.values())
 
     def _forget(self, run: _Running, record: bool = True) -> None:
         self.engine.abort_request(run.request_id, record=record)
@@ -330,21 +332,21 @@ class WorkerService:
             deltas = out.deltas
             if out.finished:
                 error = None if out.error is None else WireError(message=out.error, code="engine_error")
-                self.queue.send(run.request_id, Chunk(attempt=run.attempt, deltas=deltas, done=True, error=error,
-                                                      num_cached_tokens=out.num_cached_tokens))
-                self.queue.ack(run.stream, run.entry_id)
+                self.queue.outbox.send(run.request_id, Chunk(attempt=run.attempt, deltas=deltas, done=True, error=error,
+                                                             num_cached_tokens=out.num_cached_tokens))
+                self.queue.outbox.ack(run.stream, run.entry_id)
                 self.running.pop(run.request_id, None)
                 self._owned_changed()
             elif deltas:
-                self.queue.send(run.request_id, Chunk(attempt=run.attempt, deltas=deltas))
+                self.queue.outbox.send(run.request_id, Chunk(attempt=run.attempt, deltas=deltas))
 
     def _end(self, run: _Running, error: WireError | None, started: bool = True) -> None:
         """Final outcome outside a normal finish: an error (or nothing left), then the ack."""
         self.traces.error(run.request_id, error, started)
         if started:
             self._forget(run)
-        self.queue.send(run.request_id, Chunk(attempt=run.attempt, done=True, error=error))
-        self.queue.ack(run.stream, run.entry_id)
+        self.queue.outbox.send(run.request_id, Chunk(attempt=run.attempt, done=True, error=error))
+        self.queue.outbox.ack(run.stream, run.entry_id)
 
     def info(self) -> WorkerInfo:
         kv = self.engine.kv_manager
@@ -353,7 +355,7 @@ class WorkerService:
             pid=os.getpid(), host=socket.gethostname(), max_num_seqs=self.engine.config.max_num_seqs,
             num_running=len(self.running), num_free_blocks=kv.num_free_blocks, num_blocks=kv.num_blocks,
             num_cancelled=self.num_cancelled, num_taken_over=self.num_taken_over,
-            num_waiting=self.engine.scheduler.num_waiting, num_stolen=self.queue.num_stolen,
+            num_waiting=self.engine.scheduler.num_waiting, num_stolen=self.queue.reader.num_stolen,
             block_size=kv.block_size, kv_model_id=kv.model_id, kv_dtype=kv.kv_dtype,
         )
 
