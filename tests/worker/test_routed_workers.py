@@ -187,7 +187,7 @@ def test_a_worker_killed_holding_routed_and_stolen_requests_loses_none(tiny_chec
             assert (log.error, log.completions[0].finish_reason) == (None, "length"), rid
             assert log.completions[0].token_ids == expected[rid], rid  # token-exact, resumed or not
         # the survivor resumed both running ones and took the two that waited in the victim's stream
-        assert survivor.num_taken_over == 2 and survivor.queue.reader.num_stolen == 2
+        assert survivor.running.num_taken_over == 2 and survivor.queue.reader.num_stolen == 2
         assert not survivor.running
     finally:
         release.set()
