@@ -4,60 +4,43 @@ as they are to each request's output stream:
 
     apply cancellations, lost entries, deadlines → take requests → engine.step() → forward
 
-The Redis side (reading, acknowledging, heartbeats, takeover) is the `QueueConsumer`'s;
-its heartbeat beats only while this loop completes passes, so a frozen loop looks dead
-and its requests move to other workers. A cancelled request is aborted before the next
-engine step; a request past its deadline ends with a timeout error; on SIGTERM the worker
-takes nothing new, lets running requests finish for `drain_timeout` seconds, then ends the
-rest with an error.
+Each job has its own module: the Redis side (reading, acknowledging, heartbeats, takeover)
+is the `QueueConsumer`'s (queue_consumer.py); `RunningRequests` (running.py) holds the
+requests the engine runs and settles each one's end; `Intake` (intake.py) takes requests
+into the engine; `Drain` (drain.py) stops the worker. The heartbeat beats only while this
+loop completes passes, so a frozen loop looks dead and its requests move to other workers.
+`run_worker` is the process around it: the engine, its metrics and tracing, then the loop.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import signal
 import socket
-import threading
 import time
-from dataclasses import dataclass
 
 import msgspec
 import redis
 from prometheus_client import CollectorRegistry
 
 from pagedserve.common.config import EngineConfig, ServeConfig
-from pagedserve.common.errors import PagedServeError
-from pagedserve.common.outputs import RequestDelta
-from pagedserve.common.queue_protocol import Chunk, WireError, WorkerInfo, tenant_stream_of
+from pagedserve.common.queue_protocol import WorkerInfo
 from pagedserve.common.step_stats import FinishedRequestStats, StepStats
 from pagedserve.engine.engine import Engine
-from pagedserve.engine.input_processor import ResumedCompletion
 from pagedserve.prefix_cache.publisher import KVEventPublisher
 from pagedserve.telemetry.metrics import WorkerMetrics, serve_metrics
 from pagedserve.telemetry.tracing import Tracing
-from pagedserve.worker.queue_consumer import OwnedEntry, QueueConsumer, StreamView, TakenEntry
+from pagedserve.worker.drain import Drain, drain_when_orphaned, shutdown_error
+from pagedserve.worker.intake import Intake
+from pagedserve.worker.queue_consumer import QueueConsumer
 from pagedserve.worker.request_tracing import request_traces
+from pagedserve.worker.running import RunningRequests
 
 logger = logging.getLogger(__name__)
-
-#: how long an idle worker blocks on the queue before it looks at everything else again
-_IDLE_BLOCK_MS = 100
 
 #: the environment variable through which `pagedserve serve` gives its workers its pid:
 #: a worker whose launcher is gone drains and exits instead of running on as an orphan
 SUPERVISOR_PID_ENV = "PAGEDSERVE_SUPERVISOR_PID"
-
-
-@dataclass(slots=True)
-class _Running:
-    """A queue entry the engine is working on."""
-
-    stream: str  # the stream of its entry (a tenant stream or a routed one)
-    entry_id: str  # in that stream
-    request_id: str
-    attempt: int  # delivery count: 1 unless another worker died with it
-    deadline: float  # unix seconds
 
 
 class WorkerService:
@@ -68,15 +51,13 @@ class WorkerService:
         self.config = config
         self.queue = QueueConsumer(redis_url, config, worker_id)
         self.worker_id = self.queue.worker_id
-        self.running: dict[str, _Running] = {}  # by request id
-        self._drain_deadline: float | None = None
-        self._next_reclaim = 0.0
         self.last_pass = time.monotonic()  # when the loop last completed a pass (the heartbeat's liveness)
-        self.num_cancelled = 0
-        self.num_taken_over = 0
         # spans (no-ops when off), under the name clients ask for, as the gateway's and the metrics'
         self.traces = request_traces(tracing, self.worker_id, config.served_model_name or engine.config.model)
         engine.stats.keep_finished = True  # this service pops them every pass (`_observe`)
+        self.running = RunningRequests(engine, self.queue.outbox, self.queue.heartbeat, self.traces, config)
+        self.intake = Intake(engine, self.queue, self.running, self.traces, config, metrics)
+        self.drain = Drain(self.worker_id, config.drain_timeout, self.running)  # called: drains (SIGTERM/SIGINT)
         self.kv_events: KVEventPublisher | None = None  # the cluster index's feed (--kv-events)
         if config.kv_events:
             self.kv_events = KVEventPublisher(self.queue.redis, self.worker_id, engine.kv_manager.pool,
@@ -84,9 +65,9 @@ class WorkerService:
 
     # -- lifecycle -------------------------------------------------------------------------
     def run(self) -> None:
-        """Serve until drained (SIGTERM/SIGINT, see `drain`)."""
+        """Serve until drained (SIGTERM/SIGINT, see `Drain`)."""
         self.last_pass = time.monotonic()
-        self.queue.start_heartbeat(self.info, self.loop_alive)
+        self.queue.heartbeat.start(self.info, self.loop_alive)
         logger.info("worker %s serving %s (max_model_len %d)", self.worker_id, self.engine.config.model,
                     self.engine.max_model_len)
         backoff = 0.1
@@ -96,7 +77,7 @@ class WorkerService:
                     break
                 backoff = 0.1
             except (redis.ConnectionError, redis.TimeoutError, redis.exceptions.OutOfMemoryError) as exc:
-                if self._drain_deadline is not None and (not self.running or time.monotonic() >= self._drain_deadline):
+                if self.drain.active and (not self.running or self.drain.expired()):
                     # Draining must end even without Redis (it may have stopped first).
                     logger.warning("worker %s drained with redis unreachable; %d request(s) end unreported",
                                    self.worker_id, len(self.running))
@@ -118,56 +99,33 @@ class WorkerService:
         """Whether the loop completed a pass within worker_timeout: the heartbeat beats only then."""
         return time.monotonic() - self.last_pass < self.config.worker_timeout
 
-    def drain(self, *_signal_args) -> None:
-        """Take nothing new; running requests get `drain_timeout` seconds to finish."""
-        if self._drain_deadline is None:
-            logger.info("worker %s draining (%d running)", self.worker_id, len(self.running))
-            self._drain_deadline = time.monotonic() + self.config.drain_timeout
-        else:  # called again (a second Ctrl-C): stop now
-            self._drain_deadline = 0.0
-
-    @property
-    def draining(self) -> bool:
-        return self._drain_deadline is not None
-
-    def install_signal_handlers(self) -> None:
-        signal.signal(signal.SIGTERM, self._on_signal)
-        signal.signal(signal.SIGINT, self._on_signal)
-
-    def _on_signal(self, signum, frame) -> None:
-        """The first signal drains; a second SIGINT (Ctrl-C again) stops now. A repeated SIGTERM
-        changes nothing: a launcher and a service manager may both send one for the same stop."""
-        if not self.draining or signum == signal.SIGINT:
-            self.drain()
-
     # -- one pass of the loop ---------------------------------------------------------------
     def _iteration(self) -> bool:
         """Returns False when the worker is done (drained)."""
-        self.queue.flush()  # what an earlier pass could not write goes first, in order
-        self._apply_cancellations()
-        self._apply_lost()
-        self._expire_deadlines()
-        if self._drain_deadline is not None:
+        self.queue.outbox.flush()  # what an earlier pass could not write goes first, in order
+        self.running.cancel(self.queue.cancellations.poll())
+        self.running.drop_lost(self.queue.heartbeat.lost_entries())
+        self.running.expire_deadlines()
+        if self.drain.active:
             if not self.running:
                 self._observe(None)  # what this pass's aborts and cancellations ended
                 return False
-            if time.monotonic() >= self._drain_deadline:
+            if self.drain.expired():
                 for run in list(self.running.values()):
-                    self._end(run, WireError(message="the worker shut down before this request finished",
-                                             type="server_error", code="worker_shutdown", status_code=503))
+                    self.running.end(run, shutdown_error())
                 self._observe(None)
-                self.queue.flush()
+                self.queue.outbox.flush()
                 return False
         else:
-            self._take_requests()
+            self.intake.take()
         step = None  # engine.last_step stays from an earlier pass when this one runs no step
         if self.engine.has_unfinished_requests():
-            self._forward(self.engine.step())
+            self.running.forward(self.engine.step())
             step = self.engine.last_step
         if self.kv_events is not None:
             self.kv_events.publish()
         self._observe(step)
-        self.queue.flush()
+        self.queue.outbox.flush()
         return True
 
     def _observe(self, step: StepStats | None) -> None:
@@ -190,177 +148,16 @@ class WorkerService:
         if self.engine.kv_tier is not None:
             self.metrics.observe_kv_tier(self.engine.kv_tier.totals())
 
-    # -- taking requests ----------------------------------------------------------------------
-    def _room(self) -> int:
-        if self.engine.scheduler.num_waiting:
-            return 0  # requests still wait inside: leave the rest to other workers
-        return self.engine.config.max_num_seqs - len(self.running)
-
-    def _take_requests(self) -> None:
-        if time.monotonic() >= self._next_reclaim:
-            if (room := self._room()) > 0:
-                for entry in self.queue.reclaim(room):
-                    self._start(entry)
-            self._next_reclaim = time.monotonic() + self.config.heartbeat_interval
-        view = self.queue.streams()
-        if (room := self._room()) > 0:
-            block = None if self.engine.has_unfinished_requests() else _IDLE_BLOCK_MS
-            # a busy worker leaves other workers' queued prompts to them (and to their caches)
-            taken = self.queue.pull(room, block, view, steal=len(self.running) <= self.config.steal_max_running)
-        else:
-            # Full: still take one request of each tenant that has nothing here, so that the
-            # scheduler can give it its share at the next step instead of after the others.
-            # (One per stream: a tenant's own routed stream and its shared one count apart.)
-            present = {tenant_stream_of(run.stream) for run in self.running.values()}
-            newcomers = [s for s in view.own + view.shared if tenant_stream_of(s) not in present]
-            taken = self.queue.pull(len(newcomers), None, StreamView(own=[], shared=newcomers, others=[],
-                                                                     orphaned=view.orphaned)) if newcomers else []
-        if self.metrics is not None and (stolen := sum(e.stolen for e in taken)):
-            self.metrics.count_steals(stolen)
-        for entry in taken:
-            self._start(entry)
-
-    def _start(self, entry: TakenEntry) -> None:
-        request = entry.request
-        if (mine := self.running.get(request.request_id)) is not None:
-            # Reclaimed by this worker itself: its loop paused past worker_timeout (a slow step),
-            # so its heartbeat left the entry idle and XAUTOCLAIM gave it back. It runs here
-            # already: carry on. (Another entry under the same id is a duplicate: leave it.)
-            if (mine.stream, mine.entry_id) != (entry.stream, entry.entry_id):
-                logger.error("entry %s of %s repeats running request %s; dropped", entry.entry_id, entry.stream,
-                             request.request_id)
-                self.queue.ack(entry.stream, entry.entry_id)
-            return
-        run = _Running(entry.stream, entry.entry_id, request.request_id, entry.attempt, request.deadline)
-        if self.metrics is not None and entry.attempt == 1 and request.enqueued_at is not None:
-            # a later delivery's wait since admission includes the run on a worker that died
-            self.metrics.observe_queue_time(time.time() - request.enqueued_at)
-        if self.queue.is_cancelled(request.request_id):
-            self.queue.ack(entry.stream, entry.entry_id)  # the client left while it was queued
-            self._count_unstarted("abort", request.params.n)
-            return
-        self.traces.start(request, entry.attempt)
-        if entry.attempt > self.config.max_attempts:
-            self._end(run, WireError(message=f"the request failed: {entry.attempt - 1} workers died while running it",
-                                     type="server_error", code="worker_failed", status_code=500), started=False)
-            self._count_unstarted("error", request.params.n)
-            return
-        if time.time() > request.deadline:
-            self._end(run, _timeout_error(self.config), started=False)
-            self._count_unstarted("abort", request.params.n)  # as a running request past its deadline
-            return
-        resume = None
-        if entry.attempt > 1:
-            resume = self._resume_state(run, request.params.n)
-            if resume is None:
-                return
-        try:
-            self.engine.add_request(request.request_id, request.prompt_token_ids, request.params,
-                                    cache_salt=request.cache_salt, resume=resume, tenant=request.tenant)
-        except PagedServeError as exc:
-            self._end(run, WireError(message=exc.message, type=exc.error_type, code=exc.code,
-                                     param=exc.param, status_code=exc.status_code), started=False)
-            self._count_unstarted("error", request.params.n)
-            return
-        except Exception as exc:  # a bug must fail this request, not the worker
-            logger.exception("could not start request %s", request.request_id)
-            if self.engine.abort_request(request.request_id, "error") is None:  # else the engine reports its end
-                self._count_unstarted("error", request.params.n)
-            self._end(run, WireError(message=f"the worker could not start the request: {type(exc).__name__}",
-                                     code="internal_error"), started=False)
-            return
-        self.running[request.request_id] = run
-        self.num_taken_over += entry.attempt > 1
-        self._owned_changed()
-
-    def _count_unstarted(self, reason: str, n: int) -> None:
-        """A request this worker took and ended before the engine had it (the engine counts
-        the rest): its n completions count under `reason` in request_success_total."""
-        if self.metrics is not None:
-            self.metrics.count_finished(reason, n)
-
-    def _resume_state(self, run: _Running, n: int) -> list[ResumedCompletion] | None:
-        """What the client has of each completion; None (and the entry settled) if nothing is left."""
-        log = self.queue.claim_output(run.request_id, run.attempt, n)
-        if log.done:
-            self.queue.ack(run.stream, run.entry_id)
-            return None
-        if all(c.finish_reason is not None for c in log.completions):
-            self._end(run, None, started=False)
-            return None
-        return [ResumedCompletion(c.token_ids, c.num_chars, c.finish_reason) for c in log.completions]
-
-    # -- aborts ------------------------------------------------------------------------------
-    def _apply_cancellations(self) -> None:
-        for request_id in self.queue.cancellations():
-            run = self.running.get(request_id)
-            if run is not None:
-                logger.info("request %s cancelled by its client", request_id)
-                self.num_cancelled += 1
-                self._forget(run)
-                self.queue.ack(run.stream, run.entry_id)
-                self.queue.delete_output(request_id)
-
-    def _apply_lost(self) -> None:
-        lost = self.queue.lost_entries()
-        for run in [r for r in self.running.values() if (r.stream, r.entry_id) in lost]:
-            logger.warning("request %s was taken over by another worker; dropping it here", run.request_id)
-            self._forget(run, record=False)  # the worker that took it over counts it
-
-    def _expire_deadlines(self) -> None:
-        now = time.time()
-        for run in [r for r in self.running.values() if r.deadline < now]:
-            self._end(run, _timeout_error(self.config))
-
-    def _owned_changed(self) -> None:
-        self.queue.set_owned(OwnedEntry(r.stream, r.entry_id, r.request_id) for r in self.running.values())
-
-    def _forget(self, run: _Running, record: bool = True) -> None:
-        self.engine.abort_request(run.request_id, record=record)
-        self.running.pop(run.request_id, None)
-        self._owned_changed()
-
-    # -- outputs -----------------------------------------------------------------------------
-    def _forward(self, outputs: list[RequestDelta]) -> None:
-        """Each step's deltas go out as they are; a finished request is settled."""
-        for out in outputs:
-            run = self.running.get(out.request_id)
-            if run is None:
-                continue
-            deltas = out.deltas
-            if out.finished:
-                error = None if out.error is None else WireError(message=out.error, code="engine_error")
-                self.queue.send(run.request_id, Chunk(attempt=run.attempt, deltas=deltas, done=True, error=error,
-                                                      num_cached_tokens=out.num_cached_tokens))
-                self.queue.ack(run.stream, run.entry_id)
-                self.running.pop(run.request_id, None)
-                self._owned_changed()
-            elif deltas:
-                self.queue.send(run.request_id, Chunk(attempt=run.attempt, deltas=deltas))
-
-    def _end(self, run: _Running, error: WireError | None, started: bool = True) -> None:
-        """Final outcome outside a normal finish: an error (or nothing left), then the ack."""
-        self.traces.error(run.request_id, error, started)
-        if started:
-            self._forget(run)
-        self.queue.send(run.request_id, Chunk(attempt=run.attempt, done=True, error=error))
-        self.queue.ack(run.stream, run.entry_id)
-
     def info(self) -> WorkerInfo:
         kv = self.engine.kv_manager
         return WorkerInfo(
             worker_id=self.worker_id, model=self.engine.config.model, max_model_len=self.engine.max_model_len,
             pid=os.getpid(), host=socket.gethostname(), max_num_seqs=self.engine.config.max_num_seqs,
             num_running=len(self.running), num_free_blocks=kv.num_free_blocks, num_blocks=kv.num_blocks,
-            num_cancelled=self.num_cancelled, num_taken_over=self.num_taken_over,
-            num_waiting=self.engine.scheduler.num_waiting, num_stolen=self.queue.num_stolen,
+            num_cancelled=self.running.num_cancelled, num_taken_over=self.running.num_taken_over,
+            num_waiting=self.engine.scheduler.num_waiting, num_stolen=self.queue.reader.num_stolen,
             block_size=kv.block_size, kv_model_id=kv.model_id, kv_dtype=kv.kv_dtype,
         )
-
-
-def _timeout_error(config: ServeConfig) -> WireError:
-    return WireError(message=f"the request did not finish within the {config.request_timeout:g} s request timeout",
-                     type="timeout_error", code="request_timeout", status_code=504)
 
 
 def run_worker(config: ServeConfig, engine_config: EngineConfig, redis_url: str) -> None:
@@ -382,9 +179,9 @@ def run_worker(config: ServeConfig, engine_config: EngineConfig, redis_url: str)
             metrics = None
     tracing = Tracing.from_env("pagedserve-worker")
     service = WorkerService(engine, config, redis_url, tracing=tracing, metrics=metrics)
-    service.install_signal_handlers()
+    service.drain.install_signal_handlers()
     if supervisor := os.environ.get(SUPERVISOR_PID_ENV):
-        _drain_when_orphaned(service, int(supervisor))
+        drain_when_orphaned(service.drain, int(supervisor))
     try:
         service.run()
     finally:
@@ -394,14 +191,3 @@ def run_worker(config: ServeConfig, engine_config: EngineConfig, redis_url: str)
             metrics_server.shutdown()
             metrics_server.server_close()
 
-
-def _drain_when_orphaned(service: WorkerService, supervisor_pid: int, interval: float = 1.0) -> None:
-    """Drain once the launcher that started this worker is gone (killed without its cleanup)."""
-    def watch() -> None:
-        while os.getppid() == supervisor_pid:
-            time.sleep(interval)
-        if not service.draining:
-            logger.warning("worker %s: its launcher (pid %d) is gone; draining", service.worker_id, supervisor_pid)
-            service.drain()
-
-    threading.Thread(target=watch, name="supervisor-watch", daemon=True).start()

@@ -119,9 +119,9 @@ def test_gateway_and_worker_round_trip_over_tls(tls_redis):
     url = tls_redis.url()
     assert redact_url(url).startswith(f"rediss://:***@127.0.0.1:{tls_redis.port}/0?ssl_ca_certs=")
     consumer = QueueConsumer(url, config)
-    consumer.ensure_groups([q.REQUESTS])
-    consumer.start_heartbeat(lambda: WorkerInfo(worker_id=consumer.worker_id, model="tiny", max_model_len=64,
-                                                pid=os.getpid(), host="test", max_num_seqs=4))
+    consumer.reader.ensure_groups([q.REQUESTS])
+    consumer.heartbeat.start(lambda: WorkerInfo(worker_id=consumer.worker_id, model="tiny", max_model_len=64,
+                                                 pid=os.getpid(), host="test", max_num_seqs=4))
 
     async def scenario() -> list[int]:
         gateway = QueueClient(url, config)
@@ -134,12 +134,12 @@ def test_gateway_and_worker_round_trip_over_tls(tls_redis):
             request = QueuedRequest(request_id="tls-1", prompt_token_ids=[1, 2, 3], params=SamplingParams(max_tokens=2),
                                     deadline=time.time() + 60)
             await gateway.submit(request)
-            [taken] = await asyncio.to_thread(consumer.pull, 1, 1000)
+            [taken] = await asyncio.to_thread(consumer.reader.pull, 1, 1000)
             assert taken.request.prompt_token_ids == [1, 2, 3]
-            consumer.send("tls-1", Chunk(attempt=1, deltas=[CompletionDelta(index=0, start=0, token_ids=[7, 8], text="hi",
-                                                                            finish_reason="length")], done=True))
-            consumer.ack(taken.stream, taken.entry_id)
-            await asyncio.to_thread(consumer.flush)
+            consumer.outbox.send("tls-1", Chunk(attempt=1, deltas=[CompletionDelta(index=0, start=0, token_ids=[7, 8], text="hi",
+                                                                                   finish_reason="length")], done=True))
+            consumer.outbox.ack(taken.stream, taken.entry_id)
+            await asyncio.to_thread(consumer.outbox.flush)
             tokens = []
             async for deltas, _ in gateway.outputs("tls-1", 1, time.time() + 10):
                 tokens += [t for d in deltas for t in d.token_ids]

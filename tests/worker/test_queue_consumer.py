@@ -12,7 +12,9 @@ from pagedserve.common.config import ServeConfig
 from pagedserve.common.queue_protocol import QueuedRequest, WorkerInfo, encode
 from pagedserve.common.redis_server import EmbeddedRedis
 from pagedserve.common.sampling_params import SamplingParams
-from pagedserve.worker.queue_consumer import OwnedEntry, QueueConsumer, fair_shares
+from pagedserve.worker.heartbeat import OwnedEntry
+from pagedserve.worker.queue_consumer import QueueConsumer
+from pagedserve.worker.request_reader import fair_shares
 
 
 def test_fair_shares_split_the_room_in_turn():
@@ -45,10 +47,10 @@ def test_a_pull_takes_from_every_tenant_before_a_second_from_any():
         _admit(client, "b0", "B")
         _admit(client, "n0", None)
         consumer = QueueConsumer(server.url, ServeConfig())
-        first = consumer.pull(3, None)
+        first = consumer.reader.pull(3, None)
         assert sorted(e.request.request_id for e in first) == ["a0", "b0", "n0"]
         assert {e.stream for e in first} == {q.requests_key("A"), q.requests_key("B"), q.REQUESTS}
-        assert [e.request.request_id for e in consumer.pull(10, None)] == ["a1", "a2", "a3", "a4"]
+        assert [e.request.request_id for e in consumer.reader.pull(10, None)] == ["a1", "a2", "a3", "a4"]
         # counted out of the queue's bounds, per tenant too
         assert int(client.get(q.QUEUED)) == 0 and int(client.get(q.QUEUED_TOKENS)) == 0
         assert client.hgetall(q.TENANT_TOKENS) == {}
@@ -63,20 +65,20 @@ def test_the_heartbeat_renews_the_markers_of_running_requests():
         _admit(client, "mine", "A")
         _admit(client, "theirs", "A")
         consumer = QueueConsumer(server.url, config, worker_id="w1")
-        mine, theirs = consumer.pull(2, None)
+        mine, theirs = consumer.reader.pull(2, None)
         # another worker took "theirs" over; Redis lost the entry and marker of "mine"
         client.xclaim(theirs.stream, q.GROUP, "w2", 0, [theirs.entry_id])
         client.xdel(mine.stream, mine.entry_id)
         client.delete(q.admitted_key("mine"), q.admitted_key("theirs"))
-        consumer.set_owned([OwnedEntry(e.stream, e.entry_id, e.request.request_id) for e in (mine, theirs)])
-        consumer.start_heartbeat(lambda: WorkerInfo(worker_id="w1", model="m", max_model_len=64, pid=1, host="h",
-                                                    max_num_seqs=1))
+        consumer.heartbeat.set_owned([OwnedEntry(e.stream, e.entry_id, e.request.request_id) for e in (mine, theirs)])
+        consumer.heartbeat.start(lambda: WorkerInfo(worker_id="w1", model="m", max_model_len=64, pid=1, host="h",
+                                                     max_num_seqs=1))
         deadline = time.monotonic() + 10
         while not client.exists(q.admitted_key("mine")) and time.monotonic() < deadline:
             time.sleep(0.02)
         lost: set = set()
         while not lost and time.monotonic() < deadline:
-            lost = consumer.lost_entries()
+            lost = consumer.heartbeat.lost_entries()
             time.sleep(0.02)
         consumer.stop()
         assert 90 < client.ttl(q.admitted_key("mine")) <= 160  # request_timeout + 60
@@ -156,14 +158,14 @@ def test_admission_into_a_worker_stream_keeps_every_bound_and_counts_per_worker(
         assert _counters(client) == expected
         # taken: out of the queue's counters; in flight for the tenant until its final outcome
         consumer = QueueConsumer(server.url, ServeConfig(), worker_id="w1")
-        [routed] = consumer.pull(1, None)
+        [routed] = consumer.reader.pull(1, None)
         assert (routed.request.request_id, routed.stream, routed.stolen) == ("r0", q.routed_key("w1", "A"), False)
         after_take = _counters(client)
         assert (after_take["worker_tokens"], after_take["worker_queued"], after_take["tenant_routed"]) \
             == ({}, {}, {q.requests_key("A"): 1})
         assert after_take["tenant_tokens"] == {q.requests_key("A"): 7, q.requests_key("B"): 2}
-        consumer.ack(routed.stream, routed.entry_id)
-        consumer.flush()
+        consumer.outbox.ack(routed.stream, routed.entry_id)
+        consumer.outbox.flush()
         assert _counters(client)["tenant_routed"] == {} and client.xlen(routed.stream) == 0
         client.close()
         consumer.redis.close()
@@ -179,15 +181,15 @@ def test_a_worker_reads_its_own_stream_first_then_the_shared_ones():
         _admit(client, "mine1", "B", worker="w1")
         _admit(client, "theirs", "A", worker="w2")
         w1 = QueueConsumer(server.url, ServeConfig(steal_after=60), worker_id="w1")
-        view = w1.streams()
+        view = w1.reader.streams()
         assert (view.own, view.others) == ([q.routed_key("w1", "A"), q.routed_key("w1", "B")], [q.routed_key("w2", "A")])
         assert view.shared == [q.requests_key("A"), q.requests_key("B")] and not view.orphaned
-        assert sorted(e.request.request_id for e in w1.pull(2, None)) == ["mine0", "mine1"]
+        assert sorted(e.request.request_id for e in w1.reader.pull(2, None)) == ["mine0", "mine1"]
         # then the shared ones; w2's entry is young and w2 lives: not w1's to take
-        assert sorted(e.request.request_id for e in w1.pull(10, None)) == ["s0", "s1"]
-        assert w1.pull(10, None) == [] and w1.num_stolen == 0
+        assert sorted(e.request.request_id for e in w1.reader.pull(10, None)) == ["s0", "s1"]
+        assert w1.reader.pull(10, None) == [] and w1.reader.num_stolen == 0
         w2 = QueueConsumer(server.url, ServeConfig(), worker_id="w2")
-        assert [e.request.request_id for e in w2.pull(10, None)] == ["theirs"]
+        assert [e.request.request_id for e in w2.reader.pull(10, None)] == ["theirs"]
         assert _counters(client)["queued"] == 0
         for c in (client, w1.redis, w2.redis):
             c.close()
@@ -200,17 +202,17 @@ def test_a_worker_with_room_steals_what_waited_too_long_in_a_busy_workers_stream
         _admit(client, "old0", "A", worker="busy")
         _admit(client, "old1", None, worker="busy")
         thief = QueueConsumer(server.url, ServeConfig(steal_after=0.3), worker_id="w1")
-        assert thief.pull(4, None) == []  # younger than steal_after: left to their worker
+        assert thief.reader.pull(4, None) == []  # younger than steal_after: left to their worker
         time.sleep(0.35)
         _admit(client, "young", "A", worker="busy")
-        stolen = thief.pull(4, None)
+        stolen = thief.reader.pull(4, None)
         assert sorted(e.request.request_id for e in stolen) == ["old0", "old1"]  # never the young one
-        assert all(e.stolen for e in stolen) and thief.num_stolen == 2
+        assert all(e.stolen for e in stolen) and thief.reader.num_stolen == 2
         assert _counters(client)["worker_queued"] == {"busy": 1}
         # what it stole, it owns: its ack settles the entry
         for e in stolen:
-            thief.ack(e.stream, e.entry_id)
-        thief.flush()
+            thief.outbox.ack(e.stream, e.entry_id)
+        thief.outbox.flush()
         assert client.xlen(q.routed_key("busy", "A")) == 1 and client.xlen(q.routed_key("busy", None)) == 0
         client.close()
         thief.redis.close()
@@ -230,10 +232,10 @@ def test_a_thief_waits_longer_for_a_request_whose_prefix_its_worker_holds():
         assert fields[q.CACHED_TOKENS_FIELD] == b"300"
         thief = QueueConsumer(server.url, ServeConfig(steal_after=0.1, steal_cached_token_ms=1.0), worker_id="w1")
         time.sleep(0.15)
-        assert [e.request.request_id for e in thief.pull(4, None)] == ["cold"]
+        assert [e.request.request_id for e in thief.reader.pull(4, None)] == ["cold"]
         time.sleep(0.3)
-        assert [e.request.request_id for e in thief.pull(4, None)] == ["warm", "behind"]
-        assert thief.num_stolen == 3
+        assert [e.request.request_id for e in thief.reader.pull(4, None)] == ["warm", "behind"]
+        assert thief.reader.num_stolen == 3
         client.close()
         thief.redis.close()
 
@@ -250,23 +252,23 @@ def test_a_dead_workers_stream_is_taken_by_a_worker_that_is_not_idle():
             _admit(client, f"d{i}", "A", worker="dead")
         _admit(client, "s0", "A")
         dead = QueueConsumer(server.url, config, worker_id="dead")
-        [running] = dead.pull(1, None)  # it runs d0, then dies
+        [running] = dead.reader.pull(1, None)  # it runs d0, then dies
         client.zadd(q.WORKERS, {"dead": time.time() - 1})
         w1 = QueueConsumer(server.url, config, worker_id="w1")
-        taken = w1.pull(8, None)
+        taken = w1.reader.pull(8, None)
         assert sorted((e.request.request_id, e.stolen) for e in taken) == [("d1", True), ("d2", True), ("s0", False)]
         for e in taken:  # settled (w1 beats no heartbeat here: unsettled, they would move too)
-            w1.ack(e.stream, e.entry_id)
-        w1.flush()
+            w1.outbox.ack(e.stream, e.entry_id)
+        w1.outbox.flush()
         time.sleep(0.25)  # past worker_timeout: d0's entry is idle long enough to move
-        [moved] = w1.reclaim(8)
+        [moved] = w1.takeover.reclaim(8)
         assert (moved.request.request_id, moved.attempt, moved.stream) == ("d0", 2, running.stream)
-        assert dead.ack(running.stream, running.entry_id) is None
-        dead.flush()  # not its own anymore: nothing happens
+        assert dead.outbox.ack(running.stream, running.entry_id) is None
+        dead.outbox.flush()  # not its own anymore: nothing happens
         assert client.xlen(running.stream) == 1
         for e in [moved]:
-            w1.ack(e.stream, e.entry_id)
-        w1.flush()
+            w1.outbox.ack(e.stream, e.entry_id)
+        w1.outbox.flush()
         assert _reconcile(client) == [0, 0]
         assert not client.exists(running.stream) and client.smembers(q.TENANTS) == set()
         assert _counters(client)["tenant_routed"] == {}
@@ -281,7 +283,7 @@ def test_a_busy_worker_does_not_steal():
         _admit(client, "old0", "A", worker="busy")
         thief = QueueConsumer(server.url, ServeConfig(steal_after=0.0), worker_id="w1")
         time.sleep(0.01)
-        assert thief.pull(4, None, steal=False) == []  # what the service passes while it runs requests
-        assert [e.request.request_id for e in thief.pull(4, None)] == ["old0"]
+        assert thief.reader.pull(4, None, steal=False) == []  # what the service passes while it runs requests
+        assert [e.request.request_id for e in thief.reader.pull(4, None)] == ["old0"]
         client.close()
         thief.redis.close()

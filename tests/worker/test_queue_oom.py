@@ -53,20 +53,20 @@ def _queue(client: redis.Redis, *request_ids: str) -> None:
 def test_a_final_chunk_that_does_not_fit_waits_and_its_entry_stays_unacknowledged(full_redis):
     server, client, set_full = full_redis
     consumer = QueueConsumer(server.url, ServeConfig())
-    consumer.ensure_groups([q.REQUESTS])
+    consumer.reader.ensure_groups([q.REQUESTS])
     _queue(client, "r0")
-    [taken] = consumer.pull(1, None)
+    [taken] = consumer.reader.pull(1, None)
     set_full(True)
     final = Chunk(attempt=1, deltas=[CompletionDelta(index=0, start=0, token_ids=[5], text="a", finish_reason="stop")],
                   done=True)
-    consumer.send("r0", final)
-    consumer.ack(taken.stream, taken.entry_id)
+    consumer.outbox.send("r0", final)
+    consumer.outbox.ack(taken.stream, taken.entry_id)
     with contextlib.suppress(redis.exceptions.OutOfMemoryError):  # raising is one way to say "not written"
-        consumer.flush()
+        consumer.outbox.flush()
     # not written, so not acknowledged either: the entry is still this worker's
     assert client.xpending(q.REQUESTS, q.GROUP)["pending"] == 1
     set_full(False)
-    consumer.flush()  # the next pass writes it, then acknowledges
+    consumer.outbox.flush()  # the next pass writes it, then acknowledges
     log = OutputLog(1)
     for _, fields in client.xrange(q.output_key("r0")):
         log.apply(decode_chunk(fields[q.CHUNK_FIELD]))
@@ -77,14 +77,14 @@ def test_a_final_chunk_that_does_not_fit_waits_and_its_entry_stays_unacknowledge
 def test_what_a_pull_takes_under_oom_is_served_and_counted_out(full_redis):
     server, client, set_full = full_redis
     consumer = QueueConsumer(server.url, ServeConfig())
-    consumer.ensure_groups([q.REQUESTS])
+    consumer.reader.ensure_groups([q.REQUESTS])
     _queue(client, "r1")
     set_full(True)
     taken = []
     with contextlib.suppress(redis.exceptions.OutOfMemoryError):
-        taken += consumer.pull(1, None)
+        taken += consumer.reader.pull(1, None)
     set_full(False)
-    taken += consumer.pull(1, None)  # if not taken under OOM, then now
+    taken += consumer.reader.pull(1, None)  # if not taken under OOM, then now
     assert [t.request.request_id for t in taken] == ["r1"]
     assert int(client.get(q.QUEUED)) == 0 and int(client.get(q.QUEUED_TOKENS)) == 0
 
@@ -94,8 +94,8 @@ def test_a_full_redis_still_takes_the_heartbeat(full_redis):
     server, client, set_full = full_redis
     consumer = QueueConsumer(server.url, ServeConfig(heartbeat_interval=0.1, worker_timeout=1.0), worker_id="w1")
     set_full(True)
-    consumer.start_heartbeat(lambda: WorkerInfo(worker_id="w1", model="m", max_model_len=64, pid=1, host="h",
-                                                max_num_seqs=1))
+    consumer.heartbeat.start(lambda: WorkerInfo(worker_id="w1", model="m", max_model_len=64, pid=1, host="h",
+                                                 max_num_seqs=1))
     try:
         deadline = time.monotonic() + 10
         while client.zscore(q.WORKERS, "w1") is None and time.monotonic() < deadline:

@@ -164,7 +164,7 @@ def test_a_worker_killed_holding_routed_and_stolen_requests_loses_none(tiny_chec
             for rid in ("r0", "r1", "r2"):
                 await routing.submit(requests[rid])
                 readers[rid] = asyncio.create_task(_read(client, requests[rid]))
-            await asyncio.to_thread(wait_until, lambda: victim.queue.num_stolen == 1, "the victim stealing one")
+            await asyncio.to_thread(wait_until, lambda: victim.queue.reader.num_stolen == 1, "the victim stealing one")
             # 3 routed to the victim: it runs one beside the stolen one, two wait in its stream
             router.target = victim.worker_id
             for rid in ("r3", "r4", "r5"):
@@ -187,7 +187,7 @@ def test_a_worker_killed_holding_routed_and_stolen_requests_loses_none(tiny_chec
             assert (log.error, log.completions[0].finish_reason) == (None, "length"), rid
             assert log.completions[0].token_ids == expected[rid], rid  # token-exact, resumed or not
         # the survivor resumed both running ones and took the two that waited in the victim's stream
-        assert survivor.num_taken_over == 2 and survivor.queue.num_stolen == 2
+        assert survivor.running.num_taken_over == 2 and survivor.queue.reader.num_stolen == 2
         assert not survivor.running
     finally:
         release.set()

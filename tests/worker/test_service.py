@@ -101,7 +101,7 @@ def test_a_frozen_step_loop_stops_beating_and_its_request_moves(tiny_checkpoint,
         reader.start()
         hung = wait_until(lambda: frozen, "a worker hanging in its step")[0]
         other = services[1 - services.index(hung)]
-        wait_until(lambda: other.num_taken_over == 1, "the other worker taking the request over")
+        wait_until(lambda: other.running.num_taken_over == 1, "the other worker taking the request over")
         # The hung worker stopped beating: out of the live set, its info expired.
         assert not hung.loop_alive()
         assert hung.queue.redis.zscore(q.WORKERS, hung.worker_id) < time.time()
@@ -116,7 +116,7 @@ def test_a_frozen_step_loop_stops_beating_and_its_request_moves(tiny_checkpoint,
         assert text == expected[0].outputs[0].text
         assert log.completions[0].token_ids == expected[0].outputs[0].token_ids
         assert (log.completions[0].finish_reason, log.error) == ("length", None)
-        assert (hung.num_taken_over, other.num_taken_over) == (0, 1)
+        assert (hung.running.num_taken_over, other.running.num_taken_over) == (0, 1)
     finally:
         wake.set()
         for s in services:
@@ -158,7 +158,7 @@ def test_a_worker_that_reclaims_its_own_running_request_carries_on(tiny_checkpoi
         assert (log.error, log.completions[0].finish_reason) == (None, "length")
         assert log.completions[0].token_ids == expected.token_ids
         assert text == expected.text
-        assert steps[0] > 3 and service.num_taken_over == 0
+        assert steps[0] > 3 and service.running.num_taken_over == 0
     finally:
         service.drain()
         thread.join(timeout=10)
