@@ -109,6 +109,7 @@ class WorkerService:
         if self.drain.active:
             if not self.running:
                 self._observe(None)  # what this pass's aborts and cancellations ended
+                self.queue.outbox.flush()  # their final chunks and acks, written before leaving
                 return False
             if self.drain.expired():
                 for run in list(self.running.values()):

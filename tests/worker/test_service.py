@@ -40,6 +40,53 @@ def test_a_worker_drains_and_exits_when_redis_is_gone(tiny_checkpoint):
     assert time.monotonic() - started < 6
 
 
+def test_a_request_that_times_out_while_draining_gets_its_error_and_its_ack(tiny_checkpoint, monkeypatch):
+    """The last running request of a draining worker ends by its deadline: the worker writes
+    its timeout error and acknowledges its entry before it leaves, so no other worker takes
+    the entry over and nothing waits for an answer that never comes."""
+    engine = LLM(str(tiny_checkpoint("llama-gqa")), kv_cache_memory=1 << 22, attention_backend="torch").engine
+    config = ServeConfig(drain_timeout=60.0, heartbeat_interval=0.2, worker_timeout=5.0)
+    redis_server = EmbeddedRedis().start()
+    service = WorkerService(engine, config, redis_server.url)
+    step = engine.step
+
+    def slow_step():
+        time.sleep(0.05)  # 1,000 tokens would take 50 s: the deadline comes first
+        return step()
+
+    monkeypatch.setattr(engine, "step", slow_step)
+    thread = threading.Thread(target=service.run, daemon=True)
+    request = QueuedRequest(request_id="late-1", prompt_token_ids=[5, 17, 33], deadline=time.time() + 3,
+                            params=SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True))
+    try:
+        thread.start()
+        wait_until(lambda: service.queue.redis.zscore(q.WORKERS, service.worker_id), "the worker beating")
+
+        async def submit() -> None:
+            client = QueueClient(redis_server.url, config)
+            try:
+                await client.submit(request)
+            finally:
+                await client.close()
+
+        asyncio.run(submit())
+        wait_until(lambda: "late-1" in service.running, "the worker running the request")
+        service.drain()  # the request is still running: the drain waits for it, up to 60 s
+        thread.join(timeout=30)
+        assert not thread.is_alive(), "the drained worker did not leave once its last request timed out"
+        redis = service.queue.redis
+        chunks = [q.decode_chunk(fields[q.CHUNK_FIELD]) for _id, fields in redis.xrange(q.output_key("late-1"))]
+        assert chunks[-1].error is not None and chunks[-1].error.code == "request_timeout"
+        pending = sum(redis.xpending(stream, q.GROUP)["pending"]
+                      for stream in redis.scan_iter(match="pagedserve:*", _type="stream")
+                      if any(g["name"] == q.GROUP.encode() for g in redis.xinfo_groups(stream)))
+        assert pending == 0
+    finally:
+        service.drain()
+        thread.join(timeout=10)
+        redis_server.stop()
+
+
 def _read_request(redis_url: str, config: ServeConfig, request: QueuedRequest) -> tuple[str, OutputLog]:
     """Admit the request the way the gateway does, and read its outputs to the end."""
     async def run() -> tuple[str, OutputLog]:
