@@ -1,30 +1,25 @@
 """Errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`, and the
-exception handlers that turn every failure of a route into one."""
+exception handlers that turn every failure of a route into one. The shape and the handlers
+the prefix cache service shares live in `common/http_errors.py`; the gateway's own are here."""
 
 from __future__ import annotations
 
-import logging
 import re
 
 from litestar import Request, Response
-from litestar.exceptions import HTTPException, ValidationException
+from litestar.exceptions import ValidationException
 
-from pagedserve.common.errors import PagedServeError
+from pagedserve.common.http_errors import (
+    InvalidBodyError,
+    error_response,
+    http_error_handler,
+    internal_error_handler,
+    paged_error_handler,
+)
 from pagedserve.common.queue_protocol import WireError
 
-logger = logging.getLogger(__name__)
-
-
-class InvalidBodyError(PagedServeError):
-    """The request body as a whole is refused (no one field is to blame)."""
-
-    code = "invalid_request"
-
-
-def error_response(status: int, message: str, type_: str, code: str | None = None, param: str | None = None,
-                   headers: dict[str, str] | None = None) -> Response:
-    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
-    return Response(content=body, status_code=status, headers=headers)
+__all__ = ["InvalidBodyError", "error_response", "http_error_handler", "internal_error_handler",
+           "paged_error_handler", "validation_error_handler", "wire_error_response"]
 
 
 def wire_error_response(e: WireError) -> Response:
@@ -34,11 +29,6 @@ def wire_error_response(e: WireError) -> Response:
 
 
 # -- exception handlers (create_app maps exception types to them) ---------------------------
-def paged_error_handler(_: Request, exc: PagedServeError) -> Response:
-    headers = {"Retry-After": "1"} if exc.status_code in (429, 503) else None
-    return error_response(exc.status_code, exc.message, exc.error_type, exc.code, exc.param, headers)
-
-
 def validation_error_handler(_: Request, exc: ValidationException) -> Response:
     extra = exc.extra if isinstance(exc.extra, list) else []
     first = extra[0] if extra and isinstance(extra[0], dict) else {}
@@ -52,16 +42,3 @@ def validation_error_handler(_: Request, exc: ValidationException) -> Response:
     if param:
         message = f"{param}: {message}"
     return error_response(400, message, "invalid_request_error", "invalid_parameter", param)
-
-
-def http_error_handler(_: Request, exc: HTTPException) -> Response:
-    status = exc.status_code
-    kinds = {400: ("invalid_request_error", "invalid_request"), 404: ("not_found_error", "not_found"),
-             405: ("invalid_request_error", "method_not_allowed"), 413: ("invalid_request_error", "request_too_large")}
-    type_, code = kinds.get(status, ("server_error" if status >= 500 else "invalid_request_error", None))
-    return error_response(status, str(exc.detail), type_, code)
-
-
-def internal_error_handler(_: Request, exc: Exception) -> Response:
-    logger.exception("unhandled error in the gateway", exc_info=exc)
-    return error_response(500, "internal server error", "server_error", "internal_error")
