@@ -130,7 +130,7 @@ def _prefix_cache(args) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    service = PrefixCacheService(redis_url).start(args.host, args.port)
+    service = PrefixCacheService(redis_url, max_body_bytes=args.max_body_bytes).start(args.host, args.port)
     print(f"prefix cache service on http://{args.host}:{service.port} (workers publish with --kv-events)", flush=True)
     stop.wait()
     service.stop()
@@ -208,6 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--redis-url", default=None, help="the queue's Redis (env PAGEDSERVE_REDIS_URL)")
     cache.add_argument("--host", default="127.0.0.1")
     cache.add_argument("--port", type=int, default=8300)
+    cache.add_argument("--max-body-bytes", type=int, default=None,
+                       help="the largest /lookup body, larger: 413 (default 2 MiB: 65536 hashes of 32 bytes)")
     cache.set_defaults(func=_prefix_cache)
 
     pl = sub.add_parser("plan", help="KV-cache capacity: sequences that fit, and what paging saves")

@@ -1,18 +1,16 @@
 """The prefix cache service: the cluster's `PrefixIndex`, fed by the workers' event batches
 and asked by the gateways.
 
-    pagedserve prefix-cache --redis-url URL [--host 127.0.0.1] [--port 8300]
+    pagedserve prefix-cache --redis-url URL [--host 127.0.0.1] [--port 8300] [--max-body-bytes N]
 
 Two threads. The consumer reads `pagedserve:kv-events` (publisher.py), applies each batch,
 and asks a worker for a snapshot (its snapshot key) whenever the index says it cannot
 trust it. That happens on a gap, on a restart, and at the service's own start, when it
 asks every live worker. Every `liveness_interval` it drops the workers whose heartbeat left
-`pagedserve:workers`. The HTTP server answers:
-
-    POST /lookup   body: a prompt's chained block hashes, 32 bytes each, concatenated
-                   → {"workers": {worker id: leading blocks held}}
-    GET /health    → {"status": "ok", "workers": N, "blocks": M}
-    GET /metrics   → Prometheus text: index size, event lag, batches, gaps, malformed
+`pagedserve:workers`. The HTTP thread runs the service's Litestar app under uvicorn
+(http_app.py): `POST /lookup` (a prompt's block hashes → the workers holding its leading
+blocks), `GET /health`, `GET /metrics`, and the OpenAPI schema, with the gateway's error
+shape and a bound on the body (`max_body_bytes`, by default `MAX_LOOKUP_HASHES` hashes).
 
 A malformed batch is logged and counted, never applied. The service keeps nothing on disk:
 after a restart it rebuilds from the snapshots it asks for. A gateway that cannot reach it
@@ -21,42 +19,51 @@ routes by load (the client raises, see index_client.py).
 
 from __future__ import annotations
 
-import json
 import logging
-import socket
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Sequence
 from typing import cast
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
-from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from redis import Redis
 from redis.exceptions import RedisError
 
 from pagedserve.common import queue_protocol as q
+from pagedserve.common.errors import InvalidParameterError
 from pagedserve.prefix_cache.events import MalformedBatch, decode_batch
+from pagedserve.prefix_cache.http_app import HASH_BYTES, MAX_LOOKUP_HASHES, create_app
+from pagedserve.prefix_cache.http_server import HTTPServerThread
 from pagedserve.prefix_cache.index import Applied, PrefixIndex
 from pagedserve.prefix_cache.publisher import KV_EVENTS, snapshot_key
 
 logger = logging.getLogger(__name__)
 
-HASH_BYTES = 32  # SHA-256
-#: the most hashes one lookup may send (a 1M-token prompt at block size 16)
-MAX_LOOKUP_HASHES = 65_536
+__all__ = ["HASH_BYTES", "MAX_LOOKUP_HASHES", "PrefixCacheService"]
 
 
 class PrefixCacheService:
-    def __init__(self, redis_url: str, liveness_interval: float = 1.0, snapshot_ttl: float = 30.0):
+    """`max_body_bytes`: the largest `/lookup` body, beyond it a 413 (None: `MAX_LOOKUP_HASHES`
+    hashes); `keep_alive_timeout`: how long an idle HTTP connection stays open (seconds),
+    longer than a gateway's client keeps one."""
+
+    def __init__(self, redis_url: str, liveness_interval: float = 1.0, snapshot_ttl: float = 30.0,
+                 max_body_bytes: int | None = None, keep_alive_timeout: int = 60):
+        if max_body_bytes is not None and max_body_bytes < HASH_BYTES:
+            raise InvalidParameterError("max_body_bytes", f"must be at least one hash ({HASH_BYTES} bytes)")
+        if keep_alive_timeout < 1:
+            raise InvalidParameterError("keep_alive_timeout", "must be at least 1 second")
         self.redis = Redis.from_url(redis_url, socket_timeout=5)
         self.index = PrefixIndex()
-        self.lock = threading.Lock()  # the consumer writes the index, HTTP threads read it
+        self.lock = threading.Lock()  # the consumer writes the index, the HTTP thread reads it
         self.liveness_interval = liveness_interval
         self.snapshot_ttl = snapshot_ttl
+        self.max_body_bytes = max_body_bytes or MAX_LOOKUP_HASHES * HASH_BYTES
+        self.keep_alive_timeout = keep_alive_timeout
         self.num_malformed = 0
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        self.http: ThreadingHTTPServer | None = None
+        self.http: HTTPServerThread | None = None
         self.registry = CollectorRegistry()
         self._blocks = Gauge("pagedserve:prefix_index_blocks", "distinct block hashes indexed", registry=self.registry)
         self._workers = Gauge("pagedserve:prefix_index_workers", "workers known to the index", registry=self.registry)
@@ -127,13 +134,16 @@ class PrefixCacheService:
                 logger.warning("prefix cache service: Redis failed (%s); retrying", exc)
                 self._stop.wait(1.0)
 
-    # -- the HTTP side ----------------------------------------------------------------------
-    def lookup(self, body: bytes) -> dict[str, int]:
-        if len(body) % HASH_BYTES or len(body) // HASH_BYTES > MAX_LOOKUP_HASHES:
-            raise ValueError(f"the body must be at most {MAX_LOOKUP_HASHES} hashes of {HASH_BYTES} bytes")
-        hashes = [body[i : i + HASH_BYTES] for i in range(0, len(body), HASH_BYTES)]
+    # -- what the HTTP side asks (http_app.py) ------------------------------------------------
+    def lookup(self, hashes: Sequence[bytes]) -> dict[str, int]:
+        """How many of `hashes` (a prompt's chained block hashes) each worker holds, leading."""
         with self.lock:
             return dict(self.index.lookup(hashes))
+
+    def index_size(self) -> tuple[int, int]:
+        """(workers, distinct blocks) in the index."""
+        with self.lock:
+            return len(self.index.workers()), self.index.num_blocks
 
     def metrics_text(self) -> bytes:
         with self.lock:
@@ -143,74 +153,23 @@ class PrefixCacheService:
         return generate_latest(self.registry)
 
     def start(self, host: str = "127.0.0.1", port: int = 8300) -> PrefixCacheService:
-        service = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"  # keep-alive: a gateway's lookups reuse one connection
-
-            def setup(self) -> None:
-                super().setup()
-                # headers and body go out as two writes: without this, a kept-alive
-                # connection waits for the client's delayed ACK (40 ms) between them
-                self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-            def log_message(self, *args) -> None:
-                pass
-
-            def _send(self, status: int, body: bytes, content_type: str = "application/json") -> None:
-                self.send_response(status)
-                self.send_header("Content-Type", content_type)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def do_GET(self) -> None:
-                if self.path == "/health":
-                    with service.lock:
-                        state = {"status": "ok", "workers": len(service.index.workers()),
-                                 "blocks": service.index.num_blocks}
-                    self._send(200, json.dumps(state).encode())
-                elif self.path == "/metrics":
-                    self._send(200, service.metrics_text(), CONTENT_TYPE_PLAIN_0_0_4)
-                else:
-                    self._send(404, b'{"error": "not found"}')
-
-            def do_POST(self) -> None:
-                if self.path != "/lookup":
-                    self._send(404, b'{"error": "not found"}')
-                    return
-                try:
-                    length = int(self.headers.get("Content-Length") or 0)
-                except ValueError:
-                    length = -1
-                if length < 0 or length > MAX_LOOKUP_HASHES * HASH_BYTES:
-                    self._send(413, b'{"error": "a Content-Length of at most 65536 hashes is required"}')
-                    return
-                try:
-                    workers = service.lookup(self.rfile.read(length))
-                except ValueError as exc:
-                    self._send(400, json.dumps({"error": str(exc)}).encode())
-                    return
-                self._send(200, json.dumps({"workers": workers}).encode())
-
-        self.http = ThreadingHTTPServer((host, port), Handler)
-        self.http.daemon_threads = True
-        self._threads = [threading.Thread(target=self.http.serve_forever, name="prefix-cache-http", daemon=True),
-                         threading.Thread(target=self._consume_loop, name="prefix-cache-events", daemon=True)]
+        """Serve HTTP on host:port (0: a free one; in use: `OSError`) and start consuming."""
+        self.http = HTTPServerThread(create_app(self, self.max_body_bytes), host, port, self.keep_alive_timeout)
+        self.http.start()
+        self._threads = [threading.Thread(target=self._consume_loop, name="prefix-cache-events", daemon=True)]
         for thread in self._threads:
             thread.start()
-        logger.info("prefix cache service on %s:%d", host, self.http.server_address[1])
+        logger.info("prefix cache service on %s:%d", host, self.http.port)
         return self
 
     @property
     def port(self) -> int:
         assert self.http is not None, "start() first"
-        return int(self.http.server_address[1])
+        return self.http.port
 
     def stop(self) -> None:
         self._stop.set()
         if self.http is not None:
-            self.http.shutdown()
-            self.http.server_close()
+            self.http.stop()
         for thread in self._threads:
             thread.join(timeout=5)

@@ -1,9 +1,12 @@
 """The prefix cache service against a real Redis: a worker's publisher feeds it, a gateway's
-client asks it; it rebuilds after its own restart and forgets a dead worker."""
+client asks it; it rebuilds after its own restart and forgets a dead worker. Its HTTP API
+(a Litestar app) refuses bad lookups in OpenAI's error shape and publishes its schema."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import socket
 import time
 
 import httpx
@@ -11,12 +14,13 @@ import pytest
 from redis import Redis
 
 from pagedserve.common import queue_protocol as q
+from pagedserve.common.errors import InvalidParameterError
 from pagedserve.common.redis_server import EmbeddedRedis
 from pagedserve.prefix_cache import BlockPool
 from pagedserve.prefix_cache.block_hash import prompt_block_hashes
 from pagedserve.prefix_cache.index_client import IndexClient
 from pagedserve.prefix_cache.publisher import KV_EVENTS, KVEventPublisher
-from pagedserve.prefix_cache.service import PrefixCacheService
+from pagedserve.prefix_cache.service import HASH_BYTES, MAX_LOOKUP_HASHES, PrefixCacheService
 
 from serve_helpers import wait_until
 
@@ -58,6 +62,9 @@ def test_publisher_service_and_client(redis_url):
         _fill(pool, chain[:3])
         wait_until(lambda: publisher.publish() or service.index.workers() == {"w1": 3}, "the first batches")
         assert _lookup(url, chain) == {"w1": 3}
+        answer = httpx.post(url + "/lookup", content=b"".join(chain))
+        assert (answer.status_code, answer.json()) == (200, {"workers": {"w1": 3}})
+        assert httpx.post(url + "/lookup", content=b"".join(chain[:2])).json() == {"workers": {"w1": 2}}
 
         # a malformed entry in the stream is counted and skipped
         redis.xadd(KV_EVENTS, {"batch": b"\x00not msgpack"})
@@ -81,25 +88,108 @@ def test_publisher_service_and_client(redis_url):
         service.stop()
 
 
-def test_the_service_refuses_bad_lookups(redis_url):
-    import socket
+def _error(status: int, message: str, code: str) -> tuple[int, dict]:
+    return status, {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
 
+
+def test_the_service_refuses_bad_lookups(redis_url):
     service = PrefixCacheService(redis_url).start(port=0)
     try:
         url = f"http://127.0.0.1:{service.port}"
-        assert httpx.post(url + "/lookup", content=b"x" * 31).status_code == 400  # not whole hashes
-        with socket.create_connection(("127.0.0.1", service.port)) as raw:  # a body too large to read
+        not_whole = httpx.post(url + "/lookup", content=b"x" * 31)
+        assert (not_whole.status_code, not_whole.json()) == _error(
+            400, "the body must be block hashes of 32 bytes each, concatenated; got 31 bytes", "invalid_request")
+        too_large = _error(413, "a lookup's body is at most 2097152 bytes (65536 hashes of 32 bytes); send fewer "
+                                "blocks", "request_too_large")
+        over = httpx.post(url + "/lookup", content=b"h" * (MAX_LOOKUP_HASHES + 1) * HASH_BYTES)
+        assert (over.status_code, over.json()) == too_large
+        at_limit = httpx.post(url + "/lookup", content=b"h" * MAX_LOOKUP_HASHES * HASH_BYTES)
+        assert (at_limit.status_code, at_limit.json()) == (200, {"workers": {}})
+        with socket.create_connection(("127.0.0.1", service.port)) as raw:  # refused on its Content-Length alone
             raw.sendall(b"POST /lookup HTTP/1.1\r\nHost: x\r\nContent-Length: 99999999\r\n\r\n")
-            assert raw.recv(100).startswith(b"HTTP/1.1 413")
-        assert httpx.get(url + "/nothing").status_code == 404
+            head, _, body = _read_answer(raw)
+        assert head.startswith(b"HTTP/1.1 413") and (413, json.loads(body)) == too_large
+        missing = httpx.get(url + "/nothing")
+        assert (missing.status_code, missing.json()) == (404, {"error": {
+            "message": "Not Found", "type": "not_found_error", "param": None, "code": "not_found"}})
+        # none of it took the service down
         assert httpx.get(url + "/health").json() == {"status": "ok", "workers": 0, "blocks": 0}
+        assert httpx.post(url + "/lookup", content=b"").json() == {"workers": {}}
     finally:
         service.stop()
 
 
-def test_the_client_raises_when_the_service_is_down():
-    import socket
+def _read_answer(sock: socket.socket) -> tuple[bytes, dict[str, str], bytes]:
+    """One HTTP/1.1 answer with a Content-Length: its status line, headers and body."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(4096)
+    head, _, body = data.partition(b"\r\n\r\n")
+    status, *lines = head.split(b"\r\n")
+    headers = {k.decode().lower(): v.decode().strip() for k, _, v in (line.partition(b":") for line in lines)}
+    while len(body) < int(headers["content-length"]):
+        body += sock.recv(4096)
+    return status, headers, body
 
+
+def test_the_body_limit_is_configurable(redis_url):
+    with pytest.raises(InvalidParameterError, match="max_body_bytes"):
+        PrefixCacheService(redis_url, max_body_bytes=31)
+    service = PrefixCacheService(redis_url, max_body_bytes=2 * HASH_BYTES).start(port=0)
+    try:
+        url = f"http://127.0.0.1:{service.port}"
+        assert httpx.post(url + "/lookup", content=b"h" * 2 * HASH_BYTES).json() == {"workers": {}}
+        too_large = _error(413, "a lookup's body is at most 64 bytes (2 hashes of 32 bytes); send fewer blocks",
+                           "request_too_large")
+        over = httpx.post(url + "/lookup", content=b"h" * 3 * HASH_BYTES)
+        assert (over.status_code, over.json()) == too_large
+        chunked = httpx.post(url + "/lookup", content=iter([b"h" * 2 * HASH_BYTES, b"h" * HASH_BYTES]))  # no length
+        assert (chunked.status_code, chunked.json()) == too_large
+    finally:
+        service.stop()
+
+
+def test_the_openapi_schema_lists_lookup(redis_url):
+    service = PrefixCacheService(redis_url).start(port=0)
+    try:
+        schema = httpx.get(f"http://127.0.0.1:{service.port}/docs/openapi.json").json()
+    finally:
+        service.stop()
+    assert sorted(schema["paths"]) == ["/health", "/lookup"]  # /metrics is Prometheus's, not the API's
+    lookup = schema["paths"]["/lookup"]["post"]
+    assert lookup["requestBody"]["content"]["application/octet-stream"]["schema"]["format"] == "binary"
+    assert sorted(lookup["responses"]) == ["200", "400", "413"]
+    assert schema["components"]["schemas"]["LookupAnswer"]["properties"]["workers"] == {
+        "type": "object", "additionalProperties": {"type": "integer"}}
+
+
+def test_kept_alive_lookups_do_not_wait_for_delayed_acks(redis_url):
+    """uvicorn writes an answer's headers and body apart: without TCP_NODELAY on the accepted
+    socket, each lookup on a kept-alive connection waits about 40 ms for the client's ACK."""
+    service = PrefixCacheService(redis_url).start(port=0)
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{service.port}") as client:
+            client.post("/lookup", content=b"h" * HASH_BYTES)
+            times = []
+            for _ in range(9):
+                started = time.perf_counter()
+                client.post("/lookup", content=b"h" * HASH_BYTES)
+                times.append(time.perf_counter() - started)
+    finally:
+        service.stop()
+    assert sorted(times)[4] < 0.025, times
+
+
+def test_a_port_in_use_raises_oserror(redis_url):
+    """The launcher falls back to a free port on OSError (entrypoints/launcher.py)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(OSError):
+            PrefixCacheService(redis_url).start(port=taken.getsockname()[1])
+
+
+def test_the_client_raises_when_the_service_is_down():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
