@@ -35,9 +35,9 @@ def _through_the_service(index: PrefixIndex, chain: list[bytes], repeat: int) ->
     import logging
 
     from pagedserve.prefix_cache.index_client import IndexClient
-    from pagedserve.prefix_cache.service import PrefixCacheService
+    from pagedserve.prefix_cache.index_service import PrefixCacheService
 
-    logging.getLogger("pagedserve.prefix_cache.service").setLevel(logging.CRITICAL)
+    logging.getLogger("pagedserve.prefix_cache.index_service").setLevel(logging.CRITICAL)
     service = PrefixCacheService("redis://127.0.0.1:1")
     service.index = index
     service.start(port=0)

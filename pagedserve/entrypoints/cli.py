@@ -122,7 +122,7 @@ def _prefix_cache(args) -> int:
     import signal
     import threading
 
-    from pagedserve.prefix_cache.service import PrefixCacheService
+    from pagedserve.prefix_cache.index_service import PrefixCacheService
 
     redis_url = args.redis_url or os.environ.get("PAGEDSERVE_REDIS_URL")
     if not redis_url:

@@ -370,7 +370,7 @@ def serve(config: ServeConfig, engine: EngineConfig) -> int:
         if config.kv_events is None:  # auto: an index is worth keeping when there is a choice of workers
             config = msgspec.structs.replace(config, kv_events=worker_count(config, engine) > 1)
         if config.kv_events:  # the workers publish their cached blocks: keep the cluster index here
-            from pagedserve.prefix_cache.service import PrefixCacheService
+            from pagedserve.prefix_cache.index_service import PrefixCacheService
 
             try:
                 prefix_cache = PrefixCacheService(redis_url).start(config.host, config.prefix_cache_port)

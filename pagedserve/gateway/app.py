@@ -22,14 +22,14 @@ from litestar.openapi import OpenAPIConfig
 from pagedserve.common.config import ServeConfig
 from pagedserve.common.contracts import PrefixLookup, RouterPlugin
 from pagedserve.common.errors import PagedServeError
-from pagedserve.common.sampling_params import MAX_N
-from pagedserve.gateway.auth import TenantLimits
-from pagedserve.gateway.errors import (
+from pagedserve.common.http_errors import (
     http_error_handler,
     internal_error_handler,
     paged_error_handler,
-    validation_error_handler,
 )
+from pagedserve.common.sampling_params import MAX_N
+from pagedserve.gateway.auth import TenantLimits
+from pagedserve.gateway.error_handlers import validation_error_handler
 from pagedserve.gateway.http_metrics import count_answers, metrics_endpoint
 from pagedserve.gateway.http_tracing import server_span_middleware
 from pagedserve.gateway.queue_client import QueueClient

@@ -20,7 +20,7 @@ import msgspec
 import numpy as np
 
 from pagedserve.common.errors import InvalidParameterError
-from pagedserve.gateway.errors import InvalidBodyError
+from pagedserve.common.http_errors import InvalidBodyError
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 

@@ -23,7 +23,7 @@ from litestar.handlers.base import BaseRouteHandler
 from litestar.params import Body
 from litestar.response import Stream
 
-from pagedserve.gateway.errors import error_response
+from pagedserve.common.http_errors import error_response
 from pagedserve.gateway.http_tracing import note_request, span_of
 from pagedserve.gateway.json_limits import check_json_body
 from pagedserve.gateway.protocol import ChatCompletionRequest, CompletionRequest

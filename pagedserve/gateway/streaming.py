@@ -25,7 +25,7 @@ from pagedserve.common.errors import PagedServeError
 from pagedserve.common.queue_protocol import CompletionDelta, OutputLog, QueuedRequest, WireError
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.gateway.auth import TenantLimits
-from pagedserve.gateway.errors import wire_error_response
+from pagedserve.gateway.error_handlers import wire_error_response
 from pagedserve.gateway.http_tracing import note_answer, span_of, traceparent_for_queue
 from pagedserve.gateway.queue_client import RequestLost, ShuttingDown
 from pagedserve.gateway.responses import ResponseBuilder

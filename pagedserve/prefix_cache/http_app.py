@@ -14,8 +14,9 @@ Errors have the gateway's shape (`common/http_errors.py`): a body over `max_body
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import msgspec
 from litestar import Litestar, Request, Response, get, post
@@ -39,8 +40,15 @@ from pagedserve.common.http_errors import (
     paged_error_handler,
 )
 
-if TYPE_CHECKING:
-    from pagedserve.prefix_cache.service import PrefixCacheService
+
+class IndexQueries(Protocol):
+    """What the app asks of the service (index_service.py), which builds it around itself."""
+
+    def lookup(self, hashes: Sequence[bytes]) -> dict[str, int]: ...
+
+    def index_size(self) -> tuple[int, int]: ...
+
+    def metrics_text(self) -> bytes: ...
 
 HASH_BYTES = 32  # SHA-256
 #: the most hashes one lookup may send by default (a 1M-token prompt at block size 16)
@@ -95,7 +103,7 @@ _ERRORS = {400: ResponseSpec(ErrorBody, generate_examples=False, description=f"n
 @post("/lookup", status_code=200, summary="Which workers hold a prompt's leading blocks",
       operation_class=_LookupOperation, responses=_ERRORS)
 async def lookup(request: Request) -> LookupAnswer:
-    service: PrefixCacheService = request.app.state.service
+    service: IndexQueries = request.app.state.service
     try:
         body = await request.body()
     except HTTPException as exc:  # Litestar's 413 beyond request_max_body_size: say what the limit is
@@ -122,7 +130,7 @@ async def metrics(request: Request) -> Response:
     return Response(content=request.app.state.service.metrics_text(), media_type="text/plain; version=0.0.4")
 
 
-def create_app(service: PrefixCacheService, max_body_bytes: int) -> Litestar:
+def create_app(service: IndexQueries, max_body_bytes: int) -> Litestar:
     """The service's HTTP API over `service` (its index, under its lock)."""
     return Litestar(
         route_handlers=[lookup, health, metrics],

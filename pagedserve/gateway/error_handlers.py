@@ -1,6 +1,6 @@
-"""Errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`, and the
-exception handlers that turn every failure of a route into one. The shape and the handlers
-the prefix cache service shares live in `common/http_errors.py`; the gateway's own are here."""
+"""The gateway's own error answers in OpenAI's shape (`{"error": {"message", "type", "param",
+"code"}}`): a worker's or the queue's `WireError`, and a request body that fails its schema.
+The shape and the handlers the prefix cache service shares live in `common/http_errors.py`."""
 
 from __future__ import annotations
 
@@ -9,17 +9,8 @@ import re
 from litestar import Request, Response
 from litestar.exceptions import ValidationException
 
-from pagedserve.common.http_errors import (
-    InvalidBodyError,
-    error_response,
-    http_error_handler,
-    internal_error_handler,
-    paged_error_handler,
-)
+from pagedserve.common.http_errors import error_response
 from pagedserve.common.queue_protocol import WireError
-
-__all__ = ["InvalidBodyError", "error_response", "http_error_handler", "internal_error_handler",
-           "paged_error_handler", "validation_error_handler", "wire_error_response"]
 
 
 def wire_error_response(e: WireError) -> Response:
