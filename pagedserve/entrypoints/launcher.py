@@ -17,9 +17,10 @@ import time
 
 import msgspec
 
-from pagedserve.common.config import EngineConfig, ServeConfig
+from pagedserve.common.engine_config import EngineConfig
 from pagedserve.common.model_store import resolve_model
 from pagedserve.common.redis_server import EmbeddedRedis, redact_url
+from pagedserve.common.serve_config import ServeConfig
 from pagedserve.entrypoints.process_signals import (
     StopSignals,
     hang_up,

@@ -12,8 +12,9 @@ import sys
 import msgspec
 
 from pagedserve.common import options
-from pagedserve.common.config import EngineConfig, ServeConfig
+from pagedserve.common.engine_config import EngineConfig
 from pagedserve.common.errors import InvalidParameterError
+from pagedserve.common.serve_config import ServeConfig
 
 #: where a worker reads the Redis URL (options.build reads it for ServeConfig.redis_url)
 _REDIS_URL_ENV = "PAGEDSERVE_REDIS_URL"

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import redis
 
 from pagedserve.common import queue_protocol as q
-from pagedserve.common.config import EngineConfig, ServeConfig
+from pagedserve.common.engine_config import EngineConfig
+from pagedserve.common.serve_config import ServeConfig
 from pagedserve.entrypoints.process_signals import OWN_PROCESS_GROUP, StopSignals, exit_reason
 from pagedserve.entrypoints.worker_plan import worker_plan
 

@@ -19,10 +19,10 @@ from litestar.datastructures import State
 from litestar.exceptions import HTTPException, ValidationException
 from litestar.openapi import OpenAPIConfig
 
-from pagedserve.common.config import ServeConfig
 from pagedserve.common.contracts import PrefixLookup, RouterPlugin
 from pagedserve.common.errors import PagedServeError
 from pagedserve.common.sampling_params import MAX_N
+from pagedserve.common.serve_config import ServeConfig
 from pagedserve.gateway.auth import TenantLimits
 from pagedserve.gateway.errors import (
     http_error_handler,

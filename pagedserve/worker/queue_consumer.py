@@ -39,7 +39,6 @@ import msgspec
 import redis
 
 from pagedserve.common import queue_protocol as q
-from pagedserve.common.config import ServeConfig
 from pagedserve.common.errors import PagedServeError
 from pagedserve.common.queue_protocol import (
     Chunk,
@@ -52,6 +51,7 @@ from pagedserve.common.queue_protocol import (
     decode_request,
     encode,
 )
+from pagedserve.common.serve_config import ServeConfig
 
 logger = logging.getLogger(__name__)
 

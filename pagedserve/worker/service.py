@@ -26,10 +26,11 @@ import msgspec
 import redis
 from prometheus_client import CollectorRegistry
 
-from pagedserve.common.config import EngineConfig, ServeConfig
+from pagedserve.common.engine_config import EngineConfig
 from pagedserve.common.errors import PagedServeError
 from pagedserve.common.outputs import RequestDelta
 from pagedserve.common.queue_protocol import Chunk, WireError, WorkerInfo, tenant_stream_of
+from pagedserve.common.serve_config import ServeConfig
 from pagedserve.common.step_stats import FinishedRequestStats, StepStats
 from pagedserve.engine.engine import Engine
 from pagedserve.engine.input_processor import ResumedCompletion

@@ -104,8 +104,9 @@ def test_worker_and_gateway_metrics_count_a_known_load(model_dir):
 
 
 def test_each_worker_gets_its_own_metrics_port_through_the_environment():
-    from pagedserve.common.config import EngineConfig, ServeConfig
+    from pagedserve.common.engine_config import EngineConfig
     from pagedserve.common.errors import InvalidParameterError
+    from pagedserve.common.serve_config import ServeConfig
     from pagedserve.entrypoints.worker_plan import worker_plan
 
     config = ServeConfig(num_workers=3, worker_metrics_port=9100, worker_metrics_host="0.0.0.0")
@@ -123,7 +124,8 @@ def test_each_worker_gets_its_own_metrics_port_through_the_environment():
 
 
 def test_the_kv_tier_url_reaches_workers_through_the_environment_never_argv(monkeypatch):
-    from pagedserve.common.config import EngineConfig, ServeConfig
+    from pagedserve.common.engine_config import EngineConfig
+    from pagedserve.common.serve_config import ServeConfig
     from pagedserve.entrypoints.worker_plan import worker_count, worker_plan
 
     monkeypatch.delenv("PAGEDSERVE_KV_TIER_URL", raising=False)
