@@ -18,7 +18,7 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from pagedserve.common.config import DEFAULT_MODEL
+from pagedserve.common.engine_config import DEFAULT_MODEL
 from pagedserve.common.model_store import resolve_model
 from pagedserve.engine.model_loader import iter_safetensors
 

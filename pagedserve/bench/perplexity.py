@@ -137,7 +137,7 @@ def text_tokens(engine: Engine, text: str, max_tokens: int | None = None) -> lis
 
 def main(argv: list[str] | None = None) -> int:
     from pagedserve.common import options
-    from pagedserve.common.config import EngineConfig
+    from pagedserve.common.engine_config import EngineConfig
     from pagedserve.engine.engine import Engine
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])

@@ -8,7 +8,7 @@ import argparse
 
 from pagedserve.bench import chaos as chaos_bench
 from pagedserve.bench.workloads import OFFLINE_WORKLOADS, SERVE_WORKLOADS
-from pagedserve.common.config import DEFAULT_MODEL
+from pagedserve.common.engine_config import DEFAULT_MODEL
 
 
 def _bench_offline(args: argparse.Namespace) -> int:

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
-from pagedserve.common.config import ServeConfig
+from pagedserve.common.serve_config import ServeConfig
 
 
 class RedisServerNotFound(RuntimeError):

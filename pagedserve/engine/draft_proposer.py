@@ -30,8 +30,8 @@ import numpy as np
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-from pagedserve.common.config import EngineConfig
 from pagedserve.common.contracts import ModelInput, ProposerPlugin, Request
+from pagedserve.common.engine_config import EngineConfig
 from pagedserve.common.errors import InvalidParameterError
 from pagedserve.common.model_store import resolve_model
 from pagedserve.engine.model_runner import ModelRunner

@@ -18,8 +18,8 @@ from collections.abc import Sequence
 import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-from pagedserve.common.config import EngineConfig
 from pagedserve.common.contracts import RequestStatus, SchedulerOutput
+from pagedserve.common.engine_config import EngineConfig
 from pagedserve.common.errors import InvalidParameterError
 from pagedserve.common.model_store import resolve_model
 from pagedserve.common.outputs import RequestDelta

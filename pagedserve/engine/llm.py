@@ -7,7 +7,7 @@ import numbers
 from collections.abc import Sequence
 from typing import Any, cast
 
-from pagedserve.common.config import DEFAULT_MODEL, EngineConfig, speculative_options
+from pagedserve.common.engine_config import DEFAULT_MODEL, EngineConfig, speculative_options
 from pagedserve.common.errors import InvalidParameterError
 from pagedserve.common.outputs import RequestOutput
 from pagedserve.common.sampling_params import SamplingParams

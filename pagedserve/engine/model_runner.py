@@ -15,7 +15,6 @@ import msgspec
 import numpy as np
 import torch
 
-from pagedserve.common.config import EngineConfig
 from pagedserve.common.contracts import (
     AttentionMetadata,
     CausalLMPlugin,
@@ -25,6 +24,7 @@ from pagedserve.common.contracts import (
     ScheduledRequest,
     SchedulerOutput,
 )
+from pagedserve.common.engine_config import EngineConfig
 from pagedserve.common.errors import InvalidParameterError
 from pagedserve.engine.decode_graphs import DecodeGraphs, GraphCaptureError
 from pagedserve.engine.device import resolve_device, resolve_dtype

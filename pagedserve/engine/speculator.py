@@ -29,7 +29,6 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pagedserve.common.config import EngineConfig
 from pagedserve.common.contracts import (
     ProposerPlugin,
     Request,
@@ -38,6 +37,7 @@ from pagedserve.common.contracts import (
     ScheduledRequest,
     SchedulerOutput,
 )
+from pagedserve.common.engine_config import EngineConfig
 
 logger = logging.getLogger(__name__)
 

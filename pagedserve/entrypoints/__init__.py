@@ -1,1 +1,2 @@
-"""Entry points: the command line, the `serve` launcher, the embedded Redis."""
+"""Entry points: the command line and the `serve` launcher (its worker supervisor, worker plan
+and stop signals)."""

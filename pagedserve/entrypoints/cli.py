@@ -8,7 +8,7 @@ import os
 import sys
 
 from pagedserve.bench.subcommands import add_bench_parsers
-from pagedserve.common.config import DEFAULT_MODEL
+from pagedserve.common.engine_config import DEFAULT_MODEL
 from pagedserve.common.errors import InvalidParameterError, PagedServeError
 
 
@@ -76,7 +76,8 @@ def _plan(args) -> int:
 
 def _service_configs(args):
     from pagedserve.common import options
-    from pagedserve.common.config import EngineConfig, ServeConfig
+    from pagedserve.common.engine_config import EngineConfig
+    from pagedserve.common.serve_config import ServeConfig
 
     config = options.build(ServeConfig, args)
     logging.getLogger().setLevel(config.log_level.upper())
@@ -192,7 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=_chat)
 
     from pagedserve.common import options
-    from pagedserve.common.config import EngineConfig, ServeConfig
+    from pagedserve.common.engine_config import EngineConfig
+    from pagedserve.common.serve_config import ServeConfig
 
     for name, func, text in (
         ("serve", _serve, "the OpenAI server: its own Redis (unless --redis-url), the workers and the gateway"),

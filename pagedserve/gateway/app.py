@@ -19,7 +19,6 @@ from litestar.datastructures import State
 from litestar.exceptions import HTTPException, ValidationException
 from litestar.openapi import OpenAPIConfig
 
-from pagedserve.common.config import ServeConfig
 from pagedserve.common.contracts import PrefixLookup, RouterPlugin
 from pagedserve.common.errors import PagedServeError
 from pagedserve.common.http_errors import (
@@ -28,6 +27,7 @@ from pagedserve.common.http_errors import (
     paged_error_handler,
 )
 from pagedserve.common.sampling_params import MAX_N
+from pagedserve.common.serve_config import ServeConfig
 from pagedserve.gateway.auth import TenantLimits
 from pagedserve.gateway.error_handlers import validation_error_handler
 from pagedserve.gateway.http_metrics import count_answers, metrics_endpoint

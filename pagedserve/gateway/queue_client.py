@@ -19,7 +19,6 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from pagedserve.common import queue_protocol as q
-from pagedserve.common.config import ServeConfig
 from pagedserve.common.errors import QueueFullError, ServiceUnavailableError, TenantLimitError
 from pagedserve.common.queue_protocol import (
     CompletionDelta,
@@ -31,6 +30,7 @@ from pagedserve.common.queue_protocol import (
     decode_worker_info,
     encode,
 )
+from pagedserve.common.serve_config import ServeConfig
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,6 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from pagedserve.common.config import ServeConfig
 from pagedserve.common.contracts import (
     PrefixLookup,
     RouteDecision,
@@ -32,6 +31,7 @@ from pagedserve.common.contracts import (
 )
 from pagedserve.common.errors import InvalidParameterError
 from pagedserve.common.queue_protocol import QueuedRequest, WorkerInfo, routed_owner
+from pagedserve.common.serve_config import ServeConfig
 from pagedserve.gateway.queue_client import QueueClient
 from pagedserve.plugins import load_plugin
 from pagedserve.prefix_cache.block_hash import prompt_block_hashes

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import uvicorn
 
-from pagedserve.common.config import EngineConfig, ServeConfig
+from pagedserve.common.engine_config import EngineConfig
 from pagedserve.common.model_store import resolve_model
+from pagedserve.common.serve_config import ServeConfig
 from pagedserve.gateway.app import create_app
 from pagedserve.gateway.auth import parse_api_keys, parse_tenant_limits
 from pagedserve.gateway.http_timeouts import with_request_timeouts

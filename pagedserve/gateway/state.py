@@ -16,8 +16,8 @@ import anyio
 import anyio.to_thread
 from prometheus_client import CollectorRegistry
 
-from pagedserve.common.config import ServeConfig
 from pagedserve.common.sampling_params import MAX_N
+from pagedserve.common.serve_config import ServeConfig
 from pagedserve.gateway.auth import TenantLimits
 from pagedserve.gateway.queue_client import QueueClient
 from pagedserve.gateway.request_routing import RequestRouting

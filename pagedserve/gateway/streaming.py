@@ -20,10 +20,10 @@ from functools import partial
 from litestar import Request, Response
 from litestar.response import Stream
 
-from pagedserve.common.config import ServeConfig
 from pagedserve.common.errors import PagedServeError
 from pagedserve.common.queue_protocol import CompletionDelta, OutputLog, QueuedRequest, WireError
 from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.common.serve_config import ServeConfig
 from pagedserve.gateway.auth import TenantLimits
 from pagedserve.gateway.error_handlers import wire_error_response
 from pagedserve.gateway.http_tracing import note_answer, span_of, traceparent_for_queue

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import redis
 
 from pagedserve.common import queue_protocol as q
-from pagedserve.common.config import ServeConfig
 from pagedserve.common.queue_protocol import WorkerInfo, encode
+from pagedserve.common.serve_config import ServeConfig
 
 logger = logging.getLogger(__name__)
 

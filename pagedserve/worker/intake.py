@@ -12,9 +12,9 @@ from __future__ import annotations
 import logging
 import time
 
-from pagedserve.common.config import ServeConfig
 from pagedserve.common.errors import PagedServeError
 from pagedserve.common.queue_protocol import WireError, tenant_stream_of
+from pagedserve.common.serve_config import ServeConfig
 from pagedserve.engine.engine import Engine
 from pagedserve.engine.input_processor import ResumedCompletion
 from pagedserve.telemetry.metrics import WorkerMetrics

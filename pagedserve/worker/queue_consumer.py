@@ -26,7 +26,7 @@ import uuid
 import redis
 
 from pagedserve.common import queue_protocol as q
-from pagedserve.common.config import ServeConfig
+from pagedserve.common.serve_config import ServeConfig
 from pagedserve.worker.cancellations import Cancellations
 from pagedserve.worker.heartbeat import Heartbeat
 from pagedserve.worker.outbox import Outbox

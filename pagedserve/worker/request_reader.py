@@ -26,9 +26,9 @@ import msgspec
 import redis
 
 from pagedserve.common import queue_protocol as q
-from pagedserve.common.config import ServeConfig
 from pagedserve.common.errors import PagedServeError
 from pagedserve.common.queue_protocol import QueuedRequest, StreamRead, decode_request
+from pagedserve.common.serve_config import ServeConfig
 from pagedserve.worker.outbox import Outbox
 
 logger = logging.getLogger(__name__)

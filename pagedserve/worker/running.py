@@ -16,9 +16,9 @@ import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
-from pagedserve.common.config import ServeConfig
 from pagedserve.common.outputs import RequestDelta
 from pagedserve.common.queue_protocol import Chunk, WireError
+from pagedserve.common.serve_config import ServeConfig
 from pagedserve.engine.engine import Engine
 from pagedserve.worker.heartbeat import Heartbeat, OwnedEntry
 from pagedserve.worker.outbox import Outbox

@@ -23,8 +23,9 @@ import msgspec
 import redis
 from prometheus_client import CollectorRegistry
 
-from pagedserve.common.config import EngineConfig, ServeConfig
+from pagedserve.common.engine_config import EngineConfig
 from pagedserve.common.queue_protocol import WorkerInfo
+from pagedserve.common.serve_config import ServeConfig
 from pagedserve.common.step_stats import FinishedRequestStats, StepStats
 from pagedserve.engine.engine import Engine
 from pagedserve.prefix_cache.publisher import KVEventPublisher

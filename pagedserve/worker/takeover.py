@@ -14,8 +14,8 @@ from typing import cast
 import redis
 
 from pagedserve.common import queue_protocol as q
-from pagedserve.common.config import ServeConfig
 from pagedserve.common.queue_protocol import Chunk, OutputLog, StreamEntry, decode_chunk, encode
+from pagedserve.common.serve_config import ServeConfig
 from pagedserve.worker.outbox import Outbox
 from pagedserve.worker.request_reader import RequestReader, TakenEntry
 

@@ -7,8 +7,9 @@ import argparse
 import pytest
 
 from pagedserve.common import options
-from pagedserve.common.config import EngineConfig, ServeConfig
+from pagedserve.common.engine_config import EngineConfig
 from pagedserve.common.errors import InvalidParameterError
+from pagedserve.common.serve_config import ServeConfig
 
 
 def _parse(*argv: str) -> argparse.Namespace:

@@ -12,7 +12,6 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from pagedserve.common.config import ServeConfig
 from pagedserve.common.errors import InvalidParameterError
 from pagedserve.common.redis_server import (
     EmbeddedRedis,
@@ -20,6 +19,7 @@ from pagedserve.common.redis_server import (
     _ping,
     find_redis_server,
 )
+from pagedserve.common.serve_config import ServeConfig
 
 
 def test_starts_on_its_own_port_answers_and_stops():

@@ -24,10 +24,10 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from pagedserve.common import queue_protocol as q
-from pagedserve.common.config import ServeConfig
 from pagedserve.common.queue_protocol import Chunk, CompletionDelta, QueuedRequest, WorkerInfo
 from pagedserve.common.redis_server import find_redis_server, redact_url
 from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.common.serve_config import ServeConfig
 from pagedserve.gateway.queue_client import QueueClient
 from pagedserve.worker.queue_consumer import QueueConsumer
 

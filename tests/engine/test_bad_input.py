@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.common.config import EngineConfig
+from pagedserve.common.engine_config import EngineConfig
 from pagedserve.common.errors import (
     ContextLengthExceededError,
     InvalidParameterError,

@@ -11,8 +11,8 @@ import torch
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.common import options
-from pagedserve.common.config import EngineConfig
 from pagedserve.common.contracts import Request
+from pagedserve.common.engine_config import EngineConfig
 from pagedserve.common.errors import InvalidParameterError
 from pagedserve.engine.kv_cache_manager import KVCacheManager
 from pagedserve.engine.kv_cache_pool import KVCachePool, KVCacheSpec, resolve_kv_cache_dtype

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.common.config import EngineConfig
 from pagedserve.common.contracts import Request, RequestStatus, RunnerOutput
+from pagedserve.common.engine_config import EngineConfig
 from pagedserve.engine.kv_cache_manager import KVCacheManager
 from pagedserve.plugins.fcfs_scheduler import FCFSScheduler
 
@@ -156,7 +156,7 @@ def test_a_prefix_computed_this_step_is_not_computed_twice():
 
 
 def test_the_step_budget_defaults_by_device_and_keeps_a_given_one(tiny_checkpoint, tmp_path):
-    from pagedserve.common.config import DEFAULT_TOKEN_BUDGET
+    from pagedserve.common.engine_config import DEFAULT_TOKEN_BUDGET
     from pagedserve.common.errors import InvalidParameterError
 
     from tiny_models import build_checkpoint

@@ -14,8 +14,9 @@ import httpx
 import psutil
 import pytest
 
-from pagedserve.common.redis_server import EmbeddedRedis
-from pagedserve.entrypoints.launcher import RestartPolicy, exit_reason, redact_url
+from pagedserve.common.redis_server import EmbeddedRedis, redact_url
+from pagedserve.entrypoints.process_signals import exit_reason
+from pagedserve.entrypoints.worker_supervisor import RestartPolicy
 
 from serve_helpers import LiveServer
 from tiny_models import build_checkpoint

@@ -104,36 +104,38 @@ def test_worker_and_gateway_metrics_count_a_known_load(model_dir):
 
 
 def test_each_worker_gets_its_own_metrics_port_through_the_environment():
-    from pagedserve.common.config import EngineConfig, ServeConfig
+    from pagedserve.common.engine_config import EngineConfig
     from pagedserve.common.errors import InvalidParameterError
-    from pagedserve.entrypoints.launcher import _worker_plan
+    from pagedserve.common.serve_config import ServeConfig
+    from pagedserve.entrypoints.worker_plan import worker_plan
 
     config = ServeConfig(num_workers=3, worker_metrics_port=9100, worker_metrics_host="0.0.0.0")
-    argv, envs = _worker_plan(config, EngineConfig(device="cpu"), "redis://x")
+    argv, envs = worker_plan(config, EngineConfig(device="cpu"), "redis://x")
     assert [env["PAGEDSERVE_WORKER_METRICS_PORT"] for env in envs] == ["9100", "9101", "9102"]
     assert "--worker-metrics-port" not in argv  # a flag would win over each worker's variable
     assert argv[argv.index("--worker-metrics-host") + 1] == "0.0.0.0"
-    _, envs = _worker_plan(ServeConfig(num_workers=2), EngineConfig(device="cpu"), "redis://x")
+    _, envs = worker_plan(ServeConfig(num_workers=2), EngineConfig(device="cpu"), "redis://x")
     assert all("PAGEDSERVE_WORKER_METRICS_PORT" not in env for env in envs)
     with pytest.raises(InvalidParameterError, match="65535"):
-        _worker_plan(ServeConfig(num_workers=2, worker_metrics_port=65535), EngineConfig(device="cpu"), "redis://x")
+        worker_plan(ServeConfig(num_workers=2, worker_metrics_port=65535), EngineConfig(device="cpu"), "redis://x")
     for bad in (0, 65536):
         with pytest.raises(InvalidParameterError, match="worker_metrics_port"):
             ServeConfig(worker_metrics_port=bad)
 
 
 def test_the_kv_tier_url_reaches_workers_through_the_environment_never_argv(monkeypatch):
-    from pagedserve.common.config import EngineConfig, ServeConfig
-    from pagedserve.entrypoints.launcher import _worker_plan, worker_count
+    from pagedserve.common.engine_config import EngineConfig
+    from pagedserve.common.serve_config import ServeConfig
+    from pagedserve.entrypoints.worker_plan import worker_count, worker_plan
 
     monkeypatch.delenv("PAGEDSERVE_KV_TIER_URL", raising=False)
     engine = EngineConfig(device="cpu", kv_tier_memory=1 << 30, kv_tier_url="redis://:secret@tier:6379/0")
-    argv, envs = _worker_plan(ServeConfig(num_workers=2), engine, "redis://x")
+    argv, envs = worker_plan(ServeConfig(num_workers=2), engine, "redis://x")
     assert not any("secret" in arg for arg in argv)
     assert argv[argv.index("--kv-tier-memory") + 1] == str(1 << 30)
     assert [env["PAGEDSERVE_KV_TIER_URL"] for env in envs] == ["redis://:secret@tier:6379/0"] * 2
     # no URL of its own: a worker uses the queue's Redis (worker/service.py), so none is passed
-    _, envs = _worker_plan(ServeConfig(num_workers=1), EngineConfig(device="cpu", kv_tier_memory=1 << 30), "redis://x")
+    _, envs = worker_plan(ServeConfig(num_workers=1), EngineConfig(device="cpu", kv_tier_memory=1 << 30), "redis://x")
     assert "PAGEDSERVE_KV_TIER_URL" not in envs[0]
     assert worker_count(ServeConfig(num_workers=3), EngineConfig(device="cpu")) == 3
     assert worker_count(ServeConfig(), EngineConfig(device="cpu")) == 1

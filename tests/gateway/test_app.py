@@ -15,7 +15,6 @@ import pytest
 from litestar.testing import TestClient
 
 from pagedserve.common import queue_protocol as q
-from pagedserve.common.config import ServeConfig
 from pagedserve.common.errors import QueueFullError, ServiceUnavailableError
 from pagedserve.common.queue_protocol import (
     Chunk,
@@ -26,6 +25,7 @@ from pagedserve.common.queue_protocol import (
 )
 from pagedserve.common.redis_server import EmbeddedRedis
 from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.common.serve_config import ServeConfig
 from pagedserve.gateway.app import create_app
 from pagedserve.gateway.queue_client import QueueClient
 from pagedserve.gateway.tokenizer import PromptTokenizer

@@ -20,10 +20,10 @@ import uvicorn
 from litestar.testing import TestClient
 
 from pagedserve.common import queue_protocol as q
-from pagedserve.common.config import ServeConfig
 from pagedserve.common.errors import PagedServeError
 from pagedserve.common.queue_protocol import decode_request
 from pagedserve.common.redis_server import EmbeddedRedis
+from pagedserve.common.serve_config import ServeConfig
 from pagedserve.gateway.app import create_app
 from pagedserve.gateway.json_limits import check_json_body
 from pagedserve.gateway.server import uvicorn_config

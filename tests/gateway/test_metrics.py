@@ -11,10 +11,10 @@ from litestar.testing import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedserve.common import queue_protocol as q
-from pagedserve.common.config import ServeConfig
 from pagedserve.common.queue_protocol import QueuedRequest, WorkerInfo, encode
 from pagedserve.common.redis_server import EmbeddedRedis
 from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.common.serve_config import ServeConfig
 from pagedserve.gateway.app import create_app
 from pagedserve.gateway.queue_client import QueueClient
 from pagedserve.gateway.tokenizer import PromptTokenizer

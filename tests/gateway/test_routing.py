@@ -11,12 +11,12 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from pagedserve.common import queue_protocol as q
-from pagedserve.common.config import ServeConfig
 from pagedserve.common.contracts import RouteDecision
 from pagedserve.common.errors import InvalidParameterError, ServiceUnavailableError
 from pagedserve.common.queue_protocol import QueuedRequest, WorkerInfo, decode_request, encode
 from pagedserve.common.redis_server import EmbeddedRedis
 from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.common.serve_config import ServeConfig
 from pagedserve.gateway.queue_client import QueueClient
 from pagedserve.gateway.request_routing import RequestRouting, prefix_lookup_from_config
 from pagedserve.plugins.routers import CacheAwareRouter, LeastLoadedRouter

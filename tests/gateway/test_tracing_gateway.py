@@ -14,13 +14,13 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from pagedserve.common import queue_protocol as q
-from pagedserve.common.config import ServeConfig
 from pagedserve.common.queue_protocol import (
     Chunk,
     CompletionDelta,
     QueuedRequest,
 )
 from pagedserve.common.redis_server import EmbeddedRedis
+from pagedserve.common.serve_config import ServeConfig
 from pagedserve.gateway.app import create_app
 from pagedserve.gateway.tokenizer import PromptTokenizer
 from pagedserve.telemetry.tracing import Tracing

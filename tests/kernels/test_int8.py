@@ -329,7 +329,7 @@ def test_fused_step_with_int8_weights_equals_the_eager_int8_forward(tiny_checkpo
 
 def test_unknown_quantization_is_an_invalid_parameter():
     from pagedserve import LLM
-    from pagedserve.common.config import EngineConfig
+    from pagedserve.common.engine_config import EngineConfig
     from pagedserve.common.errors import InvalidParameterError
 
     with pytest.raises(InvalidParameterError, match="int4.*choices: int8") as info:

@@ -4,8 +4,8 @@ gives a slot to another tenant's request at the next step."""
 from __future__ import annotations
 
 from pagedserve import SamplingParams
-from pagedserve.common.config import EngineConfig
 from pagedserve.common.contracts import Request, RequestStatus, RunnerOutput
+from pagedserve.common.engine_config import EngineConfig
 from pagedserve.engine.kv_cache_manager import KVCacheManager
 from pagedserve.plugins.fair_scheduler import FairScheduler
 from pagedserve.plugins.fcfs_scheduler import FCFSScheduler

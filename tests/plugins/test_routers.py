@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from pagedserve.common.config import ServeConfig
 from pagedserve.common.contracts import RouteDecision, RoutingInput, WorkerCandidate
+from pagedserve.common.serve_config import ServeConfig
 from pagedserve.plugins.routers import CacheAwareRouter, LeastLoadedRouter, load
 
 REQUEST = RoutingInput(prompt_tokens=100, tenant=None)

@@ -8,10 +8,10 @@ import time
 import redis
 
 from pagedserve.common import queue_protocol as q
-from pagedserve.common.config import ServeConfig
 from pagedserve.common.queue_protocol import QueuedRequest, WorkerInfo, encode
 from pagedserve.common.redis_server import EmbeddedRedis
 from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.common.serve_config import ServeConfig
 from pagedserve.worker.heartbeat import OwnedEntry
 from pagedserve.worker.queue_consumer import QueueConsumer
 from pagedserve.worker.request_reader import fair_shares

@@ -10,7 +10,6 @@ import pytest
 import redis
 
 from pagedserve.common import queue_protocol as q
-from pagedserve.common.config import ServeConfig
 from pagedserve.common.queue_protocol import (
     Chunk,
     CompletionDelta,
@@ -22,6 +21,7 @@ from pagedserve.common.queue_protocol import (
 )
 from pagedserve.common.redis_server import EmbeddedRedis
 from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.common.serve_config import ServeConfig
 from pagedserve.worker.queue_consumer import QueueConsumer
 
 

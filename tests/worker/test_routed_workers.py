@@ -14,10 +14,10 @@ from prometheus_client import CollectorRegistry
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.common import queue_protocol as q
-from pagedserve.common.config import ServeConfig
 from pagedserve.common.contracts import RouteDecision, RouterPlugin, RoutingInput, WorkerCandidate
 from pagedserve.common.queue_protocol import OutputLog, QueuedRequest
 from pagedserve.common.redis_server import EmbeddedRedis
+from pagedserve.common.serve_config import ServeConfig
 from pagedserve.gateway.queue_client import QueueClient
 from pagedserve.gateway.request_routing import RequestRouting
 from pagedserve.plugins.routers import CacheAwareRouter

@@ -9,9 +9,9 @@ import time
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.common import queue_protocol as q
-from pagedserve.common.config import ServeConfig
 from pagedserve.common.queue_protocol import OutputLog, QueuedRequest
 from pagedserve.common.redis_server import EmbeddedRedis
+from pagedserve.common.serve_config import ServeConfig
 from pagedserve.gateway.queue_client import QueueClient
 from pagedserve.worker.service import WorkerService
 

@@ -14,9 +14,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.common.config import ServeConfig
 from pagedserve.common.queue_protocol import QueuedRequest
 from pagedserve.common.redis_server import EmbeddedRedis
+from pagedserve.common.serve_config import ServeConfig
 from pagedserve.common.step_stats import StepStats
 from pagedserve.gateway.queue_client import QueueClient
 from pagedserve.telemetry.tracing import Tracing

@@ -12,7 +12,6 @@ import nothing else of pagedserve. One engine step hands these from stage to sta
 No module here imports torch at run time: tensors appear in annotations only.
 """
 
-from pagedserve.common.config import EngineConfig, ServeConfig
 from pagedserve.common.contracts.model import (
     AttentionBackend,
     AttentionMetadata,
@@ -48,7 +47,9 @@ from pagedserve.common.contracts.scheduler import (
 )
 from pagedserve.common.contracts.speculative import ProposerPlugin
 from pagedserve.common.contracts.version import API_VERSION
+from pagedserve.common.engine_config import EngineConfig
 from pagedserve.common.outputs import CompletionDelta, RequestDelta, RequestOutput
+from pagedserve.common.serve_config import ServeConfig
 
 __all__ = [
     "API_VERSION",
