@@ -40,6 +40,8 @@ request from a dead one resumes from exactly what the client has been sent.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import msgspec
 
 from pagedserve.common.outputs import CompletionDelta
@@ -79,6 +81,14 @@ def routed_key(worker_id: str, tenant: str | None) -> str:
     """The stream of a tenant's requests routed to one worker. Worker ids hold no ':'
     (`check_worker_id`), so the worker id and the tenant can be read back from the name."""
     return f"{ROUTED}:{worker_id}" if tenant is None else f"{ROUTED}:{worker_id}:{tenant}"
+
+
+def request_streams(tenants: Iterable[bytes | str]) -> list[str]:
+    """Every stream a request's entry may be in, queued or running, from the members of
+    TENANTS: the stream of callers without a tenant, each tenant's stream and each stream
+    routed to a worker. A running request is a pending entry of GROUP in one of them, its
+    consumer the worker running it."""
+    return sorted({REQUESTS, *(t.decode() if isinstance(t, bytes) else t for t in tenants)})
 
 
 def routed_owner(stream: str) -> str | None:

@@ -82,3 +82,11 @@ def test_the_admission_script_writes_the_named_request_fields():
     """The Lua script spells the request entry's fields itself: they must be the protocol's."""
     xadd = f"'XADD', stream, '*', '{q.REQUEST_FIELD.decode()}', ARGV[4], '{q.PROMPT_TOKENS_FIELD.decode()}', ARGV[3]"
     assert xadd in q.ADMIT
+
+
+def test_request_streams_are_the_shared_one_and_every_tenant_and_routed_stream():
+    """Where a request's entry may be (tests/ops/test_stack.py finds the running one there)."""
+    members = [q.routed_key("w1", None).encode(), q.requests_key("A").encode(), q.routed_key("w2", "A")]
+    assert q.request_streams(members) == [q.REQUESTS, "pagedserve:requests:A", "pagedserve:routed:w1",
+                                          "pagedserve:routed:w2:A"]
+    assert q.request_streams([q.REQUESTS.encode()]) == q.request_streams([]) == [q.REQUESTS]
