@@ -1,7 +1,7 @@
 """The compose stack for real (Docker): the images built, `--profile cpu` up with two CPU
 workers and a tiny model, a completion through the gateway, its trace from the gateway to
 the worker at an OTLP receiver, the counters on the gateway's /metrics and a worker's port,
-Prometheus scraping the gateway and both workers;
+Prometheus scraping the gateway, the prefix cache service and both workers;
 then a worker killed mid-stream and Redis stopped and started.
 
 The local twins: tests/ops/test_compose_file.py (the file), test_images.py (what the images
@@ -167,14 +167,16 @@ def _prometheus(stack: ComposeStack, path: str, **params: str) -> dict:
     return reply.json()["data"]
 
 
-def test_prometheus_scrapes_the_gateway_and_every_worker(stack):
-    """ops/prometheus.yml as compose runs it: the gateway, and each scaled worker found by DNS."""
+def test_prometheus_scrapes_the_gateway_the_prefix_cache_and_every_worker(stack):
+    """ops/prometheus.yml as compose runs it: the gateway, the prefix cache service, and each
+    scaled worker found by DNS."""
     _chat(stack)
     end = time.monotonic() + 90  # DNS discovery refreshes every 15 s, scrapes every 5 s
     while True:
         targets = _prometheus(stack, "/api/v1/targets")["activeTargets"]
         up = sorted((t["labels"]["job"], t["health"]) for t in targets)
-        if up == [("pagedserve-gateway", "up")] + [("pagedserve-worker", "up")] * NUM_WORKERS:
+        if up == [("pagedserve-gateway", "up"), ("pagedserve-prefix-cache", "up")] + [
+                ("pagedserve-worker", "up")] * NUM_WORKERS:
             break
         assert time.monotonic() < end, f"targets never all up: {up}\n{stack.logs()}"
         time.sleep(1)
@@ -244,14 +246,26 @@ def _stream_completion(stack: ComposeStack, body: dict, first_chunk: threading.E
             first_chunk.set()
 
 
+#: run in a worker container: the consumer of every pending request entry, in whichever
+#: request stream the queue keeps it (shared, tenant or routed to a worker), one per line
+_PENDING_CONSUMERS = """
+import os, redis
+from pagedserve.common import queue_protocol as q
+r = redis.Redis.from_url(os.environ["PAGEDSERVE_REDIS_URL"])
+for stream in q.request_streams(r.smembers(q.TENANTS)):
+    if r.exists(stream):
+        for entry in r.xpending_range(stream, q.GROUP, "-", "+", 10):
+            print(stream, entry["consumer"].decode())
+"""
+
+
 def _worker_running(stack: ComposeStack) -> str:
     """The container of the worker whose consumer holds the one pending request."""
-    (redis_container,) = stack.containers("redis")
-    pending = subprocess.run(["docker", "exec", redis_container, "redis-cli", "--raw", "XPENDING",
-                              "pagedserve:requests", "workers", "-", "+", "10"],
-                             capture_output=True, text=True, check=True).stdout.split()
-    consumer = pending[1]  # entry id, consumer, idle ms, deliveries
-    (container,) = [c for c in stack.containers("worker-cpu") if consumer.startswith(c[:12] + "-")]
+    workers = stack.containers("worker-cpu")
+    pending = [line.split() for line in stack.exec_python(workers[0], _PENDING_CONSUMERS).splitlines()]
+    assert len(pending) == 1, f"one request runs, pending entries: {pending}"
+    ((_, consumer),) = pending
+    (container,) = [c for c in workers if consumer.startswith(c[:12] + "-")]
     return container
 
 
