@@ -19,32 +19,117 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tiny_models import build_checkpoint  # noqa: E402
 
+ROOT = Path(__file__).parents[1]
+#: where ops/docker-engine.sh writes its outcome (`make test-docker` runs it before the tests)
+DOCKER_ENGINE_STATUS = Path(os.environ.get("PAGEDSERVE_DOCKER_ENGINE_STATUS", ROOT / ".cache" / "docker-engine.status"))
 
-def _docker_engine_answers() -> bool:
-    """Whether a Docker engine answers, asked once per session: the CLI and a socket file
-    are not enough (CI may have /var/run/docker.sock with no daemon behind it)."""
+
+def _docker_engine_missing() -> str | None:
+    """Why no Docker engine answers (None: one does), asked once per session: the CLI and a
+    socket file are not enough (CI may have /var/run/docker.sock with no daemon behind it).
+    Where ops/docker-engine.sh failed to start one, its reason comes first."""
     if shutil.which("docker") is None:
-        return False
+        why = "no `docker` command"
+    else:
+        try:
+            info = subprocess.run(["docker", "info", "--format", "{{.ServerVersion}}"], capture_output=True, text=True,
+                                  timeout=15)
+        except subprocess.TimeoutExpired:
+            why = "`docker info` did not answer within 15 s"
+        else:
+            if info.returncode == 0:
+                return None
+            why = "`docker info`: " + (info.stderr.strip().splitlines() or [f"exit status {info.returncode}"])[-1]
     try:
-        return subprocess.run(["docker", "info", "--format", "{{.ServerVersion}}"], capture_output=True,
-                              timeout=15).returncode == 0
-    except subprocess.TimeoutExpired:
-        return False
+        status = DOCKER_ENGINE_STATUS.read_text().strip()
+    except OSError:
+        status = ""
+    if status.startswith("docker engine unavailable:"):
+        return f"needs a Docker engine; ops/docker-engine.sh said: {status.removeprefix('docker engine unavailable: ')}"
+    return f"needs a Docker engine ({why}; ops/docker-engine.sh starts one)"
+
+
+def _gpu_missing() -> str | None:
+    try:
+        import torch
+    except ImportError:
+        return "needs a CUDA GPU (torch is not installed)"
+    return None if torch.cuda.is_available() else "needs a CUDA GPU (torch.cuda.is_available() is False)"
+
+
+#: the markers whose tests skip where this machine lacks something: marker → why (None: it has it)
+SKIPPING_MARKERS = {"gpu": _gpu_missing, "docker": _docker_engine_missing}
 
 
 def pytest_collection_modifyitems(config, items):
-    try:
-        import torch
+    for marker, missing in SKIPPING_MARKERS.items():
+        marked = [item for item in items if marker in item.keywords]
+        reason = missing() if marked else None
+        for item in marked if reason else []:
+            item.add_marker(pytest.mark.skip(reason=reason))
 
-        has_gpu = torch.cuda.is_available()
-    except ImportError:
-        has_gpu = False
-    has_docker = any("docker" in item.keywords for item in items) and _docker_engine_answers()
-    for item in items:
-        if "gpu" in item.keywords and not has_gpu:
-            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
-        if "docker" in item.keywords and not has_docker:
-            item.add_marker(pytest.mark.skip(reason="needs a Docker engine"))
+
+# -- at the end of the run: how many tests each marker skipped, and why ---------------------
+# So a group that skips everywhere (and rots, since nothing runs it) shows in every run's
+# output rather than hiding in the "N skipped" count.
+_marks_of: dict[str, set[str]] = {}  # test id → its markers registered in pyproject.toml
+
+
+#: pytest's own markers: a test they skip counts as "no marker"
+_PYTEST_MARKERS = {"skip", "skipif", "xfail", "parametrize", "usefixtures", "filterwarnings", "tryfirst", "trylast"}
+
+
+def _registered_markers(config) -> set[str]:
+    """The markers pyproject.toml and the plugins register, but pytest's own."""
+    return {line.split(":")[0].split("(")[0].strip() for line in config.getini("markers")} - _PYTEST_MARKERS
+
+
+def pytest_collection_finish(session):
+    registered = _registered_markers(session.config)
+    _marks_of.clear()
+    for item in session.items:  # those selected (after -m and -k)
+        _marks_of[item.nodeid] = {mark.name for mark in item.iter_markers()} & registered
+
+
+def _skip_reason(report) -> str:
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+    return reason.removeprefix("Skipped: ")
+
+
+def skip_summary(marks_of: dict[str, set[str]], skipped: dict[str, str]) -> list[str]:
+    """One line per marker of SKIPPING_MARKERS that has selected tests, and per other marker
+    that skipped any: how many of its tests it skipped, and why; then the skipped tests that
+    no registered marker names. `skipped`: test id → its skip reason."""
+    lines = []
+    for marker in sorted({m for marks in marks_of.values() for m in marks}):
+        tests = [t for t, marks in marks_of.items() if marker in marks]
+        reasons: dict[str, int] = {}
+        for test in tests:
+            if test in skipped:
+                reasons[skipped[test]] = reasons.get(skipped[test], 0) + 1
+        if not reasons and marker not in SKIPPING_MARKERS:
+            continue
+        why = "; ".join(f"{reason} ({n})" if len(reasons) > 1 else reason for reason, n in reasons.items())
+        count = sum(reasons.values())
+        lines.append(f"{marker}: {count} of {len(tests)} skipped" + (f": {why}" if why else ""))
+    unmarked: dict[str, int] = {}
+    for test, reason in skipped.items():
+        if not marks_of.get(test):
+            unmarked[reason] = unmarked.get(reason, 0) + 1
+    if unmarked:
+        lines.append(f"no marker: {sum(unmarked.values())} skipped: "
+                     + "; ".join(f"{reason} ({n})" for reason, n in unmarked.items()))
+    return lines
+
+
+def pytest_terminal_summary(terminalreporter):
+    skipped = {report.nodeid: _skip_reason(report) for report in terminalreporter.stats.get("skipped", [])}
+    lines = skip_summary(_marks_of, skipped)
+    if lines:
+        terminalreporter.write_sep("=", "skipped, by marker")
+        for line in lines:
+            terminalreporter.write_line(line)
 
 
 #: name → (kind, config overrides): GQA and MHA, odd head counts
