@@ -29,6 +29,10 @@ targets=("$@")
 # ops/local/ is git-ignored: only this machine's files go there, and only the build stages
 # read them (the final images copy the virtual environment, not the wheel or the bundle).
 cp "$CA_BUNDLE" ops/local/ca-certificates.crt
+# The torch wheel goes in before any build: the gateway's build context holds ops/local/ too,
+# and a wheel that arrived after its first build would undo its layer cache on the next one.
+wheel=$(basename "$TORCH_WHEEL")
+[[ -f ops/local/$wheel || ! -f $TORCH_WHEEL ]] || cp "$TORCH_WHEEL" "ops/local/$wheel"
 timed_build() {  # tag, then docker build arguments
   local tag=$1 start=$SECONDS
   shift
@@ -39,8 +43,7 @@ for target in "${targets[@]}"; do
   case $target in
     gateway) timed_build "$GATEWAY_TAG" -f ops/gateway.Dockerfile ;;
     worker)
-      wheel=$(basename "$TORCH_WHEEL")
-      [[ -f ops/local/$wheel ]] || cp "$TORCH_WHEEL" "ops/local/$wheel"
+      [[ -f ops/local/$wheel ]] || { echo "no torch wheel at $TORCH_WHEEL (TORCH_WHEEL)" >&2; exit 2; }
       timed_build "$WORKER_TAG" -f ops/worker.Dockerfile \
         --build-arg TORCH_SPEC="/tmp/local/$wheel" --build-arg TORCH_INDEX_URL=https://pypi.org/simple ;;
     redis) timed_build "$REDIS_TAG" -f ops/redis.Dockerfile ;;
