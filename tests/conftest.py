@@ -123,7 +123,9 @@ def skip_summary(marks_of: dict[str, set[str]], skipped: dict[str, str]) -> list
     return lines
 
 
-def pytest_terminal_summary(terminalreporter):
+def pytest_terminal_summary(terminalreporter, config):
+    if config.option.collectonly:
+        return
     skipped = {report.nodeid: _skip_reason(report) for report in terminalreporter.stats.get("skipped", [])}
     lines = skip_summary(_marks_of, skipped)
     if lines:
