@@ -104,8 +104,9 @@ set -uo pipefail
     $root || unavailable "${need[*]} missing, and only root can install them (apt-get)"
     command -v apt-get >/dev/null || unavailable "${need[*]} missing, and there is no apt-get to install them"
     echo "installing ${need[*]} (Debian's packages)"
-    apt-get update -qq >/tmp/docker-engine-apt.log 2>&1 \
-      && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >>/tmp/docker-engine-apt.log 2>&1 \
+    # waiting for another apt-get or dpkg (up to 5 minutes) rather than failing at once
+    apt-get -o DPkg::Lock::Timeout=300 update -qq >/tmp/docker-engine-apt.log 2>&1 \
+      && DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -qq "${need[@]}" >>/tmp/docker-engine-apt.log 2>&1 \
       || unavailable "apt-get install ${need[*]} failed: $(tail -n 1 /tmp/docker-engine-apt.log)"
     stage packages
   fi
