@@ -7,9 +7,10 @@
 #   ops/docker-engine.sh [--images] [--background]
 #
 #   1. installs Debian's docker.io, docker-compose (v1, reads compose.yaml) and debootstrap
-#      if missing (needs root and apt-get);
+#      if missing (needs root and apt-get; where an engine answers, it goes on without them);
 #   2. starts dockerd in the background (log: /tmp/dockerd.log) unless `docker info` answers;
-#   3. builds the base image local/debian:bookworm with debootstrap, unless it exists;
+#   3. builds the base image local/debian:bookworm with debootstrap, unless it exists (without
+#      debootstrap, none: the tests then build the images from a registry's);
 #   4. with --images: ops/build-local.sh builds the gateway, CPU worker, Redis and
 #      Prometheus images on that base.
 #
@@ -21,8 +22,9 @@
 # Outcome, the last line: "docker engine ready: ..." (exit 0); "docker engine unavailable:
 # REASON" (exit 1: no engine could be started here, e.g. not root, no apt-get, dockerd does
 # not start; the `docker` tests then skip with that reason, which tests/conftest.py reads from
-# the log); "docker images not built: ..." (exit 2: the engine runs, a build failed; the
-# tests build again and fail with the build's error).
+# $PAGEDSERVE_DOCKER_ENGINE_STATUS, default .cache/docker-engine.status); "docker images not
+# built: ..." (exit 2: the engine runs, the base image or a build failed; the tests build
+# again and fail with the build's error).
 #
 # Testcontainers (tests/gateway/test_app.py) also needs TESTCONTAINERS_RYUK_DISABLED=true
 # here, since its reaper image cannot be pulled; the test sets it where the local base exists.
@@ -92,17 +94,25 @@ set -uo pipefail
   engine_answers() { command -v docker >/dev/null && docker info >/dev/null 2>&1; }
   docker_error() { docker info 2>&1 >/dev/null | grep -v '^$' | tail -n 1; }
 
-  # 1. packages: dockerd and docker-compose unless an engine already answers; debootstrap
-  #    unless the base image exists (asked later, once the engine runs)
+  # 1. packages: dockerd unless an engine already answers, docker-compose unless compose v2
+  #    is there, debootstrap (for the base image). Where an engine answers and they cannot be
+  #    installed, the run goes on without them (a machine with Docker and a registry).
   need=()
   if ! engine_answers; then
     command -v dockerd >/dev/null || need+=(docker.io)
   fi
   command -v docker-compose >/dev/null || docker compose version >/dev/null 2>&1 || need+=(docker-compose)
   command -v debootstrap >/dev/null || need+=(debootstrap)
-  if ((${#need[@]})); then
-    $root || unavailable "${need[*]} missing, and only root can install them (apt-get)"
-    command -v apt-get >/dev/null || unavailable "${need[*]} missing, and there is no apt-get to install them"
+  cannot_install=""
+  if ! $root; then
+    cannot_install="only root can install them (apt-get)"
+  elif ! command -v apt-get >/dev/null; then
+    cannot_install="there is no apt-get to install them"
+  fi
+  if ((${#need[@]})) && [[ -n $cannot_install ]]; then
+    engine_answers || unavailable "${need[*]} missing, and $cannot_install"
+    echo "missing: ${need[*]} ($cannot_install)"
+  elif ((${#need[@]})); then
     echo "installing ${need[*]} (Debian's packages)"
     # waiting for another apt-get or dpkg (up to 5 minutes) rather than failing at once
     apt-get -o DPkg::Lock::Timeout=300 update -qq >/tmp/docker-engine-apt.log 2>&1 \
@@ -121,16 +131,20 @@ set -uo pipefail
     stage dockerd
   fi
 
-  # 3. the base image, from Debian's mirror (no image registry needed)
+  # 3. the base image, from Debian's mirror (no image registry needed). Without debootstrap,
+  #    none: the tests build the images from the registry's (tests/ops/stack.py).
   if ! docker image inspect "$BASE_IMAGE" >/dev/null 2>&1; then
     [[ $BASE_IMAGE == local/debian:bookworm ]] || not_built "the base image $BASE_IMAGE does not exist"
+    if ! command -v debootstrap >/dev/null; then
+      finish 0 "docker engine ready: $(docker version --format '{{.Server.Version}}'); no base image $BASE_IMAGE (no debootstrap): the images come from a registry"
+    fi
     echo "building $BASE_IMAGE with debootstrap (log: /tmp/debootstrap.log)"
     rootfs=$(mktemp -d)
     if ! debootstrap --variant=minbase bookworm "$rootfs" >/tmp/debootstrap.log 2>&1; then
       rm -rf "$rootfs"
-      unavailable "debootstrap of $BASE_IMAGE failed: $(tail -n 1 /tmp/debootstrap.log)"
+      not_built "debootstrap of $BASE_IMAGE failed: $(tail -n 1 /tmp/debootstrap.log)"
     fi
-    tar -C "$rootfs" -c . | docker import - "$BASE_IMAGE" >/dev/null || unavailable "docker import of $BASE_IMAGE failed"
+    tar -C "$rootfs" -c . | docker import - "$BASE_IMAGE" >/dev/null || not_built "docker import of $BASE_IMAGE failed"
     rm -rf "$rootfs"
     stage "base image"
   fi
