@@ -36,7 +36,7 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy
-	$(PY) -m pytest -q -m 'not docker'; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; \
+	$(PY) -m pytest -q --durations=20 -m 'not docker'; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; \
 	$(MAKE) --no-print-directory test-docker || rc=1; exit $$rc
 
 # The container tests (the `docker` marker: tests/ops/test_stack.py, the containerized Redis
