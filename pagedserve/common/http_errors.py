@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 
+import msgspec
 from litestar import Request, Response
 from litestar.exceptions import HTTPException
 
@@ -20,10 +21,22 @@ class InvalidBodyError(PagedServeError):
     code = "invalid_request"
 
 
+class ErrorDetail(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None  # the request field to blame, if one is
+    code: str | None
+
+
+class ErrorBody(msgspec.Struct):
+    """OpenAI's error shape; apps name it in their OpenAPI schemas."""
+
+    error: ErrorDetail
+
+
 def error_response(status: int, message: str, type_: str, code: str | None = None, param: str | None = None,
                    headers: dict[str, str] | None = None) -> Response:
-    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
-    return Response(content=body, status_code=status, headers=headers)
+    return Response(content=ErrorBody(ErrorDetail(message, type_, param, code)), status_code=status, headers=headers)
 
 
 def paged_error_handler(_: Request, exc: PagedServeError) -> Response:

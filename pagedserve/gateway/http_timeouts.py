@@ -14,12 +14,14 @@ own limit answers in plain text).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Callable
 
 import h11
+import msgspec
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from pagedserve.common.http_errors import ErrorBody, ErrorDetail
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +106,7 @@ class TimedH11Protocol(H11Protocol):
 
 def _error_response(status: int, reason: str, message: str, type_: str, code: str, retry_after: bool = False) -> bytes:
     """A whole HTTP/1.1 response with an OpenAI-shaped error body, closing the connection."""
-    body = json.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}}).encode()
+    body = msgspec.json.encode(ErrorBody(ErrorDetail(message, type_, None, code)))
     head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\nconnection: close\r\n"
             + ("retry-after: 1\r\n" if retry_after else "") + f"content-length: {len(body)}\r\n\r\n")
     return head.encode() + body

@@ -34,6 +34,7 @@ from litestar.openapi.spec import (
 
 from pagedserve.common.errors import PagedServeError
 from pagedserve.common.http_errors import (
+    ErrorBody,
     InvalidBodyError,
     http_error_handler,
     internal_error_handler,
@@ -49,6 +50,7 @@ class IndexQueries(Protocol):
     def index_size(self) -> tuple[int, int]: ...
 
     def metrics_text(self) -> bytes: ...
+
 
 HASH_BYTES = 32  # SHA-256
 #: the most hashes one lookup may send by default (a 1M-token prompt at block size 16)
@@ -70,19 +72,6 @@ class Health(msgspec.Struct):
     status: str
     workers: int  # known to the index
     blocks: int  # distinct block hashes indexed
-
-
-class _Error(msgspec.Struct):
-    message: str
-    type: str
-    param: str | None
-    code: str | None
-
-
-class ErrorBody(msgspec.Struct):
-    """OpenAI's error shape, as `common/http_errors.error_response` writes it."""
-
-    error: _Error
 
 
 @dataclass

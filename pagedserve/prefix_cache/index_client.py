@@ -8,7 +8,7 @@ import httpx
 
 
 class IndexClient:
-    """Asks the service (service.py) which workers hold a prompt's leading blocks. Any
+    """Asks the service (index_service.py) which workers hold a prompt's leading blocks. Any
     failure (down, slow, bad answer) raises, and the caller routes by load instead."""
 
     def __init__(self, url: str, timeout: float = 0.05):

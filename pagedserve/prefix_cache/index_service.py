@@ -39,9 +39,6 @@ from pagedserve.prefix_cache.publisher import KV_EVENTS, snapshot_key
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HASH_BYTES", "MAX_LOOKUP_HASHES", "PrefixCacheService"]
-
-
 class PrefixCacheService:
     """`max_body_bytes`: the largest `/lookup` body, beyond it a 413 (None: `MAX_LOOKUP_HASHES`
     hashes); `keep_alive_timeout`: how long an idle HTTP connection stays open (seconds),

@@ -31,15 +31,11 @@ class Takeover:
         self._reader = reader  # decodes what it reclaims
         self._outbox = outbox  # flushed before a claim: pending writes go first
 
-    def tenant_streams(self) -> list[str]:
-        """Every request stream that may hold requests (tenant and routed), in a fixed order."""
-        return sorted(s.decode() for s in cast("set[bytes]", self.redis.smembers(q.TENANTS)))
-
     def reclaim(self, room: int) -> list[TakenEntry]:
         """Up to `room` entries of workers whose heartbeat stopped, now this worker's (from
         every request stream: the tenant ones and the routed ones, of any worker)."""
         claimed: list[tuple[str, str, dict[bytes, bytes], int]] = []
-        for stream in self.tenant_streams():
+        for stream in q.request_streams(cast("set[bytes]", self.redis.smembers(q.TENANTS))):
             if len(claimed) >= room:
                 break
             try:

@@ -18,8 +18,9 @@ from pagedserve.common.errors import InvalidParameterError
 from pagedserve.common.redis_server import EmbeddedRedis
 from pagedserve.prefix_cache import BlockPool
 from pagedserve.prefix_cache.block_hash import prompt_block_hashes
+from pagedserve.prefix_cache.http_app import HASH_BYTES, MAX_LOOKUP_HASHES
 from pagedserve.prefix_cache.index_client import IndexClient
-from pagedserve.prefix_cache.index_service import HASH_BYTES, MAX_LOOKUP_HASHES, PrefixCacheService
+from pagedserve.prefix_cache.index_service import PrefixCacheService
 from pagedserve.prefix_cache.publisher import KV_EVENTS, KVEventPublisher
 
 from serve_helpers import wait_until
