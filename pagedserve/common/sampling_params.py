@@ -7,6 +7,7 @@ import math
 import msgspec
 
 from pagedserve.common.errors import InvalidParameterError
+from pagedserve.common.structured_outputs import StructuredOutputsParams
 
 #: Upper bound on `n` and on `logprobs` unless the engine is configured otherwise.
 MAX_N = 16
@@ -35,6 +36,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N log-probabilities per generated token
     skip_special_tokens: bool = True
+    #: the constraint the output must satisfy (JSON schema, regex, choice, grammar); None: free text
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self.validate()

@@ -19,6 +19,7 @@ GROUPS = {
     "routers": "pagedserve.routers",
     "quantization": "pagedserve.quantization",
     "proposers": "pagedserve.proposers",
+    "structured_output": "pagedserve.structured_output",
 }
 
 

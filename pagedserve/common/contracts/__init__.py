@@ -46,20 +46,30 @@ from pagedserve.common.contracts.scheduler import (
     SchedulerPlugin,
 )
 from pagedserve.common.contracts.speculative import ProposerPlugin
+from pagedserve.common.contracts.structured_output import (
+    CompiledGrammar,
+    GrammarError,
+    GrammarMatcher,
+    StructuredOutputBackend,
+)
 from pagedserve.common.contracts.version import API_VERSION
 from pagedserve.common.engine_config import EngineConfig
 from pagedserve.common.outputs import CompletionDelta, RequestDelta, RequestOutput
 from pagedserve.common.serve_config import ServeConfig
+from pagedserve.common.structured_outputs import StructuredOutputsParams
 
 __all__ = [
     "API_VERSION",
     "AttentionBackend",
     "AttentionMetadata",
     "CausalLMPlugin",
+    "CompiledGrammar",
     "CompletionDelta",
     "DecoderLayerWeights",
     "DecoderWeights",
     "EngineConfig",
+    "GrammarError",
+    "GrammarMatcher",
     "ServeConfig",
     "KVCacheManager",
     "KernelOps",
@@ -87,5 +97,7 @@ __all__ = [
     "SchedulerOutput",
     "SchedulerPlugin",
     "SequenceUpdate",
+    "StructuredOutputBackend",
+    "StructuredOutputsParams",
     "WorkerCandidate",
 ]
