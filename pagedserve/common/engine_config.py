@@ -119,6 +119,18 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     #: draft: bytes of the draft model's own KV cache (flags and env take sizes like 512MiB)
     speculative_kv_memory: int = 256 * 1024**2
     seed: int = 0  # seeds the sampler of requests that give no seed
+    # Structured output (engine/structured_output.py): the grammar backend, an entry point in
+    # pagedserve.structured_output, and its limits. The gateway applies the same limits
+    # before a request is queued
+    structured_output_backend: str = "llguidance"
+    structured_output_threads: int = 2  # threads that compile grammars and fill token masks
+    #: seconds a spec may take to compile; past it the request fails (the gateway: a 400)
+    structured_output_compile_timeout: float = 5.0
+    #: characters of one spec: a JSON schema's JSON text, a regex, a grammar, or all choices
+    max_structured_output_chars: int = 65_536
+    #: append the tokens the grammar forces (a key name, `": "`) in the step that reaches
+    #: them, instead of one per step; the ids are the same either way
+    structured_output_jump_forward: bool = True
     num_threads: int | None = None  # torch CPU threads; None: torch's default
 
     def token_budget(self, device_type: str = "cpu", num_threads: int | None = None) -> int:
@@ -181,6 +193,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise InvalidParameterError("speculative_min_acceptance", "must be in [0, 1]")
         if self.speculative_pause_steps < 1:
             raise InvalidParameterError("speculative_pause_steps", "must be >= 1")
+        if self.structured_output_threads < 1:
+            raise InvalidParameterError("structured_output_threads", "must be >= 1")
+        if self.structured_output_compile_timeout <= 0:
+            raise InvalidParameterError("structured_output_compile_timeout", "must be > 0 seconds")
+        if self.max_structured_output_chars < 1:
+            raise InvalidParameterError("max_structured_output_chars", "must be >= 1")
         if self.quantization is not None:
             methods = quantization_methods()
             if self.quantization not in methods:

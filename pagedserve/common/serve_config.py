@@ -51,6 +51,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     max_json_depth: int = 32  # nesting of arrays and objects in a request body; deeper: 400 before it is parsed
     max_chat_messages: int = 1024  # entries of a chat request's `messages`
     max_cache_salt_length: int = 256  # characters of a request's `cache_salt`
+    max_tools: int = 128  # entries of a chat request's `tools`
     tokenizer_threads: int = 4  # threads that tokenize and render chat templates, off the event loop
     max_connections: int = 2048  # open HTTP connections and running requests; a request beyond them gets 503
     keep_alive_timeout: int = 5  # seconds an idle keep-alive connection stays open
@@ -91,7 +92,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
                      "max_prompts_per_request", "max_choices_per_request", "max_stop_strings",
                      "max_stop_string_length", "max_stop_token_ids", "tenant_max_requests",
                      "tenant_max_queued_tokens", "max_json_depth", "max_chat_messages",
-                     "max_cache_salt_length", "tokenizer_threads", "max_connections", "keep_alive_timeout",
+                     "max_cache_salt_length", "max_tools", "tokenizer_threads", "max_connections", "keep_alive_timeout",
                      "kv_events_max_len"):
             if getattr(self, name) < 1:
                 raise InvalidParameterError(name, "must be >= 1")
