@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import llguidance
 from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
@@ -33,9 +33,10 @@ from pagedserve.common.contracts import (
 
 if TYPE_CHECKING:
     import torch
+    from llguidance._lib import JsonCompileOptions
 
 #: how JSON is laid out: fixed separators, no free whitespace
-JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 class LLGuidanceMatcher(GrammarMatcher):
