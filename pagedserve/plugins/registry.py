@@ -20,6 +20,7 @@ GROUPS = {
     "quantization": "pagedserve.quantization",
     "proposers": "pagedserve.proposers",
     "structured_output": "pagedserve.structured_output",
+    "tool_parsers": "pagedserve.tool_parsers",
 }
 
 

@@ -52,6 +52,13 @@ from pagedserve.common.contracts.structured_output import (
     GrammarMatcher,
     StructuredOutputBackend,
 )
+from pagedserve.common.contracts.tool_parser import (
+    ParsedOutput,
+    ParsedToolCall,
+    ToolCallEvent,
+    ToolCallStream,
+    ToolParser,
+)
 from pagedserve.common.contracts.version import API_VERSION
 from pagedserve.common.engine_config import EngineConfig
 from pagedserve.common.outputs import CompletionDelta, RequestDelta, RequestOutput
@@ -72,6 +79,11 @@ __all__ = [
     "GrammarMatcher",
     "ServeConfig",
     "KVCacheManager",
+    "ParsedOutput",
+    "ParsedToolCall",
+    "ToolCallEvent",
+    "ToolCallStream",
+    "ToolParser",
     "KernelOps",
     "Kernels",
     "ModelInput",
