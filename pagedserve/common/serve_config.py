@@ -52,6 +52,8 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     max_chat_messages: int = 1024  # entries of a chat request's `messages`
     max_cache_salt_length: int = 256  # characters of a request's `cache_salt`
     max_tools: int = 128  # entries of a chat request's `tools`
+    # how a model writes tool calls (`tool_choice: auto`): an entry point in pagedserve.tool_parsers
+    tool_call_parser: str = "hermes"
     tokenizer_threads: int = 4  # threads that tokenize and render chat templates, off the event loop
     max_connections: int = 2048  # open HTTP connections and running requests; a request beyond them gets 503
     keep_alive_timeout: int = 5  # seconds an idle keep-alive connection stays open
@@ -122,6 +124,8 @@ class ServeConfig(msgspec.Struct, kw_only=True):
             raise InvalidParameterError("steal_max_running", "must be >= 0 (0: steal only when idle)")
         if self.router_load_margin < 0:
             raise InvalidParameterError("router_load_margin", "must be >= 0")
+        if not self.tool_call_parser:
+            raise InvalidParameterError("tool_call_parser", "must name a tool-call parser (hermes)")
         if not self.router:
             raise InvalidParameterError("router", "must name a router (cache-aware, least-loaded)")
         if self.worker_metrics_port is not None and not 1 <= self.worker_metrics_port <= 65535:

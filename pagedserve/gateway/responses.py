@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgspec
 
 from pagedserve.common.outputs import Logprobs
 from pagedserve.common.queue_protocol import CompletionDelta, OutputLog, WireError
+from pagedserve.gateway.tool_output import ToolOutput
 
 _json = msgspec.json.Encoder()
 
@@ -33,7 +34,9 @@ def sse_event(body: dict[str, Any]) -> bytes:
 
 
 class ResponseBuilder:
-    def __init__(self, kind: str, model: str, n: int, num_prompts: int, include_usage: bool, logprobs: int | None):
+    def __init__(self, kind: str, model: str, n: int, num_prompts: int, include_usage: bool, logprobs: int | None,
+                 tool_output: Callable[[], ToolOutput] | None = None):
+        """`tool_output`: a chat whose choices may hold tool calls makes one per choice."""
         assert kind in ("chat", "completion"), kind
         self.kind = kind
         self.model = model
@@ -52,6 +55,7 @@ class ResponseBuilder:
         self.error: WireError | None = None
         self._pending: list[tuple[int, CompletionDelta]] = []  # not yet streamed
         self._role_sent: set[int] = set()
+        self.tools: list[ToolOutput] | None = [tool_output() for _ in range(num_choices)] if tool_output else None
 
     # -- folding -----------------------------------------------------------------------------
     def add(self, prompt_index: int, deltas: list[CompletionDelta], log: OutputLog) -> None:
@@ -86,7 +90,11 @@ class ResponseBuilder:
         for k, pieces in enumerate(self.texts):
             text = "".join(pieces)
             lp = self._logprobs(k, self.logprobs[k], 0) if self.want_logprobs else None
-            if self.kind == "chat":
+            if self.kind == "chat" and self.tools is not None:
+                tools = self.tools[k]
+                choices.append({"index": k, "message": tools.message(text), "logprobs": lp,
+                                "finish_reason": tools.finish_reason(self.finish_reasons[k])})
+            elif self.kind == "chat":
                 choices.append({"index": k, "message": {"role": "assistant", "content": text},
                                 "logprobs": lp, "finish_reason": self.finish_reasons[k]})
             else:
@@ -116,6 +124,9 @@ class ResponseBuilder:
             if self.want_logprobs and d.logprobs:
                 lp = self._logprobs(k, d.logprobs, self.num_chars[k])
             self.num_chars[k] += len(d.text)
+            if self.tools is not None:
+                yield from self._tool_chunks(k, d, lp)
+                continue
             if d.text or lp is not None:
                 if self.kind == "chat":
                     yield self._event([{"index": k, "delta": {"content": d.text}, "logprobs": lp, "finish_reason": None}])
@@ -126,6 +137,21 @@ class ResponseBuilder:
                     yield self._event([{"index": k, "delta": {}, "logprobs": None, "finish_reason": d.finish_reason}])
                 else:
                     yield self._event([{"index": k, "text": "", "logprobs": None, "finish_reason": d.finish_reason}])
+
+    def _tool_chunks(self, k: int, d: CompletionDelta, lp: dict[str, Any] | None) -> Iterator[bytes]:
+        """A chat choice's chunks when its text may hold tool calls (`tool_output`)."""
+        assert self.tools is not None
+        tools = self.tools[k]
+        deltas = tools.feed(d.text)
+        if d.finish_reason is not None:
+            deltas += tools.finish()
+        if lp is not None and not deltas:
+            deltas = [{}]
+        for i, delta in enumerate(deltas):
+            yield self._event([{"index": k, "delta": delta, "logprobs": lp if i == 0 else None, "finish_reason": None}])
+        if d.finish_reason is not None:
+            yield self._event([{"index": k, "delta": {}, "logprobs": None,
+                                "finish_reason": tools.finish_reason(d.finish_reason)}])
 
     def stream_end(self) -> Iterator[bytes]:
         if self.error is not None:

@@ -6,7 +6,8 @@ What a request goes through, in order, so that the cheap refusals come first:
    the connection's state.
 2. `check_body` (before the handler): the body is read (413 beyond `--max-body-bytes`) and
    its nesting and integers are checked on the bytes (`json_limits`), before Litestar parses it.
-3. The handler: model, sampling parameters, the request's size, then the prompts are
+3. The handler: model, tools and the output constraint, sampling parameters, the request's
+   size, the constraint compiled (in a thread, cached: `grammar_check`), then the prompts are
    tokenized in a thread (`GatewayState.run_blocking`), then `streaming.serve`.
 The probes and /docs need no key.
 """
@@ -14,8 +15,10 @@ The probes and /docs need no key.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Annotated, Any
 
+import msgspec
 from litestar import Request, Response, get, post
 from litestar.connection import ASGIConnection
 from litestar.enums import RequestEncodingType
@@ -24,6 +27,7 @@ from litestar.params import Body
 from litestar.response import Stream
 
 from pagedserve.common.http_errors import error_response
+from pagedserve.gateway.chat_rendering import chat_inputs
 from pagedserve.gateway.http_tracing import note_request, span_of
 from pagedserve.gateway.json_limits import check_json_body
 from pagedserve.gateway.protocol import ChatCompletionRequest, CompletionRequest
@@ -31,6 +35,8 @@ from pagedserve.gateway.responses import ResponseBuilder
 from pagedserve.gateway.state import GatewayState
 from pagedserve.gateway.streaming import serve
 from pagedserve.gateway.tokenizer import PromptTokenizer
+from pagedserve.gateway.tool_calls import ToolPlan
+from pagedserve.gateway.tool_output import ToolOutput
 from pagedserve.gateway.validation import (
     authenticate,
     check_model,
@@ -72,30 +78,51 @@ async def check_body(request: Request) -> None:
       before_request=check_body)
 async def create_completion(request: Request, data: Annotated[CompletionRequest, _JSON]) -> Response | Stream:
     return await _handle(request, data, "completion", data.num_prompts,
-                         lambda tok: [p if isinstance(p, list) else tok.encode(p) for p in data.prompts()])
+                         lambda tok, _: [p if isinstance(p, list) else tok.encode(p) for p in data.prompts()])
 
 
 @post("/v1/chat/completions", status_code=200, summary="Create a chat completion (OpenAI)", guards=[require_api_key],
       before_request=check_body)
 async def create_chat_completion(request: Request, data: Annotated[ChatCompletionRequest, _JSON]) -> Response | Stream:
-    return await _handle(request, data, "chat", 1,
-                         lambda tok: [tok.encode_chat(data.template_messages(), data.add_generation_prompt)])
+    state = _state(request)
+
+    def prompts_of(tok: PromptTokenizer, plan: ToolPlan | None) -> list[list[int]]:
+        assert plan is not None
+        messages, tools = chat_inputs(data.template_messages(), plan, state.tool_parser, tok.template_uses_tools,
+                                      tok.template_knows_tool_role)
+        return [tok.encode_chat(messages, data.add_generation_prompt, tools)]
+
+    return await _handle(request, data, "chat", 1, prompts_of)
 
 
 async def _handle(request: Request, data: CompletionRequest | ChatCompletionRequest, kind: str, num_prompts: int,
-                  prompts_of: Callable[[PromptTokenizer], list[list[int]]]) -> Response | Stream:
-    """What both routes do once the caller is known: model, parameters, size, prompts (in a
-    thread), then serve, salted with the caller's tenant and `cache_salt`."""
+                  prompts_of: Callable[[PromptTokenizer, ToolPlan | None], list[list[int]]]) -> Response | Stream:
+    """What both routes do once the caller is known: model, tools, the output constraint,
+    parameters, size, prompts (in a thread), then serve, salted with the caller's tenant and
+    `cache_salt`."""
     state = _state(request)
     check_model(state, data.model)
-    params = data.sampling_params()
+    chat = isinstance(data, ChatCompletionRequest)
+    plan = data.tool_plan(state.config.max_tools) if isinstance(data, ChatCompletionRequest) else None
+    structured, constraint_field = data.output_constraint(plan)
+    params = data.sampling_params(structured)
     note_request(span_of(request), data.model, params)
     num_messages = len(data.messages) if isinstance(data, ChatCompletionRequest) else 0
     check_request_size(state, params, num_prompts, num_messages)
+    if structured is not None:
+        await state.grammar.check(structured, constraint_field)
+    call_end = state.tool_parser.call_end
+    if plan is not None and plan.mode == "auto" and not plan.parallel and call_end:
+        # parallel_tool_calls: false with tool_choice auto: the parser's closing tag is a stop
+        # string, so generation ends at the end of the first complete call and the model never
+        # writes a second one (the parser reads a last call left unclosed)
+        params = msgspec.structs.replace(params, stop=[*params.stop_strings, call_end])
     tenant = _tenant(request)
     salt = prefix_cache_salt(state, tenant, data.cache_salt)
-    prompts = await state.run_blocking(prompts_of, state.tokenizer)
-    builder = ResponseBuilder(kind, data.model, params.n, len(prompts), data.include_usage, params.logprobs)
+    prompts = await state.run_blocking(prompts_of, state.tokenizer, plan)
+    tool_output = partial(ToolOutput, plan, state.tool_parser) if chat and plan is not None and plan.mode != "none" else None
+    builder = ResponseBuilder(kind, data.model, params.n, len(prompts), data.include_usage, params.logprobs,
+                              tool_output)
     return await serve(state, request, data, prompts, params, tenant, salt, builder)
 
 

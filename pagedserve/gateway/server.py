@@ -31,9 +31,11 @@ def build_gateway(config: ServeConfig, engine: EngineConfig, redis_url: str):
         max_len = min(max_len, engine.max_model_len)
     names = tuple(dict.fromkeys(n for n in (config.served_model_name, engine.model) if n))
     keys = parse_api_keys(config.api_keys_file, os.environ.get("PAGEDSERVE_API_KEYS"))
+    eos = model_config.get("eos_token_id")
+    eos_ids = frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos])
     return create_app(config, redis_url, PromptTokenizer(model_dir), names, max_len, keys,
                       vocab_size=model_config.get("vocab_size"), max_n=engine.max_n,
-                      tenant_limits=parse_tenant_limits(config.api_keys_file))
+                      tenant_limits=parse_tenant_limits(config.api_keys_file), engine=engine, eos_token_ids=eos_ids)
 
 
 def uvicorn_config(app, config: ServeConfig) -> uvicorn.Config:

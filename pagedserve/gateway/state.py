@@ -16,9 +16,11 @@ import anyio
 import anyio.to_thread
 from prometheus_client import CollectorRegistry
 
+from pagedserve.common.contracts import ToolParser
 from pagedserve.common.sampling_params import MAX_N
 from pagedserve.common.serve_config import ServeConfig
 from pagedserve.gateway.auth import TenantLimits
+from pagedserve.gateway.grammar_check import GrammarChecker
 from pagedserve.gateway.queue_client import QueueClient
 from pagedserve.gateway.request_routing import RequestRouting
 from pagedserve.gateway.tokenizer import PromptTokenizer
@@ -50,6 +52,8 @@ class GatewayState:
     tracing: Tracing = field(default_factory=Tracing.disabled)  # the process's traces (off unless OTEL_* say)
     # the app's Prometheus metrics, on a registry of its own (GET /metrics)
     metrics: GatewayMetrics = field(default_factory=lambda: GatewayMetrics(CollectorRegistry()))
+    grammar: GrammarChecker = field(init=False)  # compiles output constraints before queueing (set by create_app)
+    tool_parser: ToolParser = field(init=False)  # --tool-call-parser (set by create_app)
     routing: RequestRouting = field(init=False)  # which worker's stream each prompt goes to (set by create_app)
 
     async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:

@@ -44,6 +44,7 @@ def _token_text(value: Any) -> str | None:
 class PromptTokenizer:
     def __init__(self, model_dir: str | Path):
         model_dir = Path(model_dir)
+        self.model_dir = model_dir
         self.tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         added = self.tokenizer.get_added_tokens_decoder()  # id → AddedToken: the specials and any added ones
         self._added_ids = frozenset(added)
@@ -63,6 +64,10 @@ class PromptTokenizer:
         self.special_tokens = {name: _token_text(config.get(name))
                                for name in ("bos_token", "eos_token", "unk_token", "pad_token")}
         self._template = None
+        self.template_source: str = template or ""
+        # does the template render `tools` itself, and does it know a `tool` role?
+        self.template_uses_tools = bool(re.search(r"\btools\b", self.template_source))
+        self.template_knows_tool_role = bool(re.search(r"[\'\"]tool[\'\"]", self.template_source))
         if template:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
             env.globals["raise_exception"] = _raise_exception
@@ -82,16 +87,19 @@ class PromptTokenizer:
         as text (`encode_chat`)."""
         return self.tokenizer.encode(text, add_special_tokens=True).ids
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> str:
         if self._template is None:
             raise InvalidParameterError("messages", "this model has no chat template; use /v1/completions")
+        extra = {"tools": tools} if tools else {}
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         **self.special_tokens)
+                                         **self.special_tokens, **extra)
         except TemplateError as exc:
             raise InvalidParameterError("messages", f"the chat template refused them: {exc}") from None
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of a conversation; the template writes the special tokens itself.
 
         When no caller text holds the text of a special or added token, the rendered
@@ -99,10 +107,16 @@ class PromptTokenizer:
         does. Otherwise the caller's text is tokenized apart, as plain text
         (`_encode_keeping_caller_text`).
         """
-        text = self.render_chat(messages, add_generation_prompt)
+        # what the template renders of tools and earlier calls is the caller's too: refused
+        # whole when it spells a special token (only content and names are split out below)
+        structured = [tools or [], [m.get("tool_calls") for m in messages]]
+        if self._holds_added_token(json.dumps(structured, ensure_ascii=False)):
+            raise InvalidParameterError("tools" if tools and self._holds_added_token(json.dumps(tools, ensure_ascii=False))
+                                        else "messages", "holds special-token text; remove it")
+        text = self.render_chat(messages, add_generation_prompt, tools)
         if not any(self._holds_added_token(value) for value in _caller_texts(messages)):
             return self.tokenizer.encode(text, add_special_tokens=False).ids
-        return self._encode_keeping_caller_text(messages, add_generation_prompt, text)
+        return self._encode_keeping_caller_text(messages, add_generation_prompt, text, tools)
 
     def _holds_added_token(self, text: str) -> bool:
         """Would tokenizing `text` with special tokens parsed give a special or added token?"""
@@ -115,7 +129,7 @@ class PromptTokenizer:
         return False
 
     def _encode_keeping_caller_text(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                                    rendered: str) -> list[int]:
+                                    rendered: str, tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Render the template with a placeholder for each caller text, check that putting the
         texts back gives exactly `rendered`, then tokenize the template's pieces with special
         tokens parsed and the caller's texts as plain text. A template that changes the
@@ -130,7 +144,7 @@ class PromptTokenizer:
         marked = [{key: placeholder(value) if key in CALLER_TEXT_FIELDS and isinstance(value, str) else value
                    for key, value in message.items()} for message in messages]
         # the pieces alternate: the template's text, the index of a caller's text, the template's text, ...
-        pieces = re.split(f"\x00{marker}:(\\d+)\x00", self.render_chat(marked, add_generation_prompt))
+        pieces = re.split(f"\x00{marker}:(\\d+)\x00", self.render_chat(marked, add_generation_prompt, tools))
         segments = [(piece, False) if i % 2 == 0 else (texts[int(piece)], True) for i, piece in enumerate(pieces)]
         if "".join(text for text, _ in segments) != rendered:
             raise InvalidParameterError("messages", "a message holds special-token text that this model's chat template "

@@ -178,7 +178,7 @@ def test_http_errors_without_workers(redis_server, redis_client, tokenizer_dir):
         assert error("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}) \
             == (400, "invalid_parameter", "messages[0].content")
         assert error("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
-                                              "tools": [{"type": "function"}]}) == (400, "invalid_parameter", "tools")
+                                              "tools": [{"type": "function"}]}) == (400, "invalid_parameter", "tools[0]")
         _beat(redis_client)
         assert http.get("/ready").status_code == 503  # a beat, but no worker info: not a live worker
         assert http.get("/v1/nothing").status_code == 404
