@@ -138,9 +138,10 @@ class ToolOutput:
     def feed(self, text: str) -> list[dict[str, Any]]:
         """The deltas for a new piece of text (each a chunk's `delta`)."""
         if self.plan.mode == "named":
-            deltas = [] if self.called else [self._open(0, self.plan.named or "")]
+            deltas = []
             if not self.called:
                 self._start(self.plan.named or "")
+                deltas.append(self._open(0, self.plan.named or ""))
             if text:
                 self.arguments[0].append(text)
                 deltas.append(self._args(0, text))
