@@ -119,7 +119,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     #: draft: bytes of the draft model's own KV cache (flags and env take sizes like 512MiB)
     speculative_kv_memory: int = 256 * 1024**2
     seed: int = 0  # seeds the sampler of requests that give no seed
-    # Structured output (engine/structured_output.py): the grammar backend, an entry point in
+    # Structured output (engine/grammar_manager.py): the grammar backend, an entry point in
     # pagedserve.structured_output, and its limits. The gateway applies the same limits
     # before a request is queued
     structured_output_backend: str = "llguidance"

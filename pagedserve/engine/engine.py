@@ -25,6 +25,7 @@ from pagedserve.common.model_store import resolve_model
 from pagedserve.common.outputs import RequestDelta
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.common.step_stats import FinishedRequestStats, StepStats
+from pagedserve.engine.grammar_manager import StructuredOutputManager
 from pagedserve.engine.input_processor import InputProcessor, ResumedCompletion
 from pagedserve.engine.kv_cache_manager import KVCacheManager
 from pagedserve.engine.kv_tier import KVTier
@@ -57,6 +58,10 @@ class Engine:
         self.input_processor = InputProcessor(self.tokenizer, self.hf_config.vocab_size, self.max_model_len,
                                               config.max_n, self._eos_token_ids())
         self.output_processor = OutputProcessor(self.tokenizer)
+        #: structured output: compiles grammars off the step loop, one matcher per sequence
+        self.structured = StructuredOutputManager(config, self.model_dir, self.hf_config.vocab_size,
+                                                  self.input_processor.eos_token_ids, self.runner.device)
+        self.runner.grammar = self.structured
         self.speculator: Speculator | None = None  # speculative decoding (config.speculative_method)
         if config.speculative_method is not None:
             proposer = load_plugin("proposers", config.speculative_method)(config)
@@ -111,10 +116,15 @@ class Engine:
         """
         if request_id in self.output_processor:
             raise InvalidParameterError("request_id", f"{request_id!r} is already running")
-        new = self.input_processor.process(request_id, prompt, params or SamplingParams(), cache_salt, resume,
-                                          tenant)
+        params = params or SamplingParams()
+        spec = params.structured_outputs
+        if spec is not None:
+            self.structured.check(spec)
+        new = self.input_processor.process(request_id, prompt, params, cache_salt, resume, tenant)
         self.output_processor.add_request(new)
         sequences = [seq for seq in new.sequences if seq is not None]
+        if spec is not None:
+            self.structured.add(sequences, spec)  # compiles while the prompt prefills
         if self.kv_tier is not None and sequences and self.kv_tier.hold(sequences):
             return  # the scheduler gets them once the tier lookup is done (`step`)
         for seq in sequences:
@@ -131,6 +141,7 @@ class Engine:
             self.kv_tier.drop(set(sequence_ids))
         if self.speculator is not None:
             self.speculator.finish(sequence_ids)
+        self.structured.finish(sequence_ids)
         self.scheduler.finish_requests(sequence_ids, RequestStatus.FINISHED_ABORTED)
         delta = self.output_processor.end(request_id, finish_reason)
         if delta is not None and record:
@@ -141,6 +152,7 @@ class Engine:
         """Finish what the KV tier is still writing (the rest of the engine needs no closing)."""
         if self.kv_tier is not None:
             self.kv_tier.close()
+        self.structured.close()
 
     def has_unfinished_requests(self) -> bool:
         return len(self.output_processor) > 0
@@ -155,6 +167,10 @@ class Engine:
         started = time.monotonic()
         self.last_step = None
         tier = self.kv_tier
+        structured = self.structured
+        if structured.pending:
+            structured.poll()  # grammars compiled since: their sequences may sample
+        failed = self._end_failed(structured.take_failed()) if structured.pending else []
         if tier is not None:
             tier.ready(self.scheduler.add_request)  # requests whose tier lookup is done, their blocks loaded
         scheduled = self.scheduler.schedule()
@@ -163,19 +179,29 @@ class Engine:
         if scheduled.is_empty:
             if tier is not None:
                 tier.wait(0.005)  # nothing to run while lookups are out: no busy loop
-            return []
+            if structured.pending:
+                structured.wait(0.005)  # nothing to run while grammars compile
+            return failed
         try:
             ran = self.runner.run(scheduled)
         except Exception as exc:  # a failed step fails its requests, never the engine loop
-            return self._fail(scheduled, exc)
-        processed = self.output_processor.process(self.scheduler.update(scheduled, ran))
+            return failed + self._fail(scheduled, exc)
+        updates = self.scheduler.update(scheduled, ran)
+        if structured.states:
+            structured.sync(scheduled)  # matchers drop the tokens the scheduler did not append
+        processed = self.output_processor.process(updates)
         self.scheduler.finish_requests(processed.stopped, RequestStatus.FINISHED_STOPPED)
         verified = (0, 0, 0)
         if self.speculator is not None:  # what the drafts gained, and the next step's drafts
             verified = self.speculator.record(scheduled, ran)
             self.speculator.propose(scheduled, self.scheduler.num_running)
+            if structured.states:
+                structured.cut_drafts(scheduled)  # no draft the grammar rejects
+        deltas = failed + processed.deltas
+        if structured.pending:  # a matcher failed this step: its request ends with the error
+            deltas += self._end_failed(structured.take_failed())
         self.last_step = self._step_stats(started, scheduled, processed.deltas, verified)
-        return processed.deltas
+        return deltas
 
     def kv_cache_usage(self) -> float:
         """The share of KV blocks in use now (0..1); cached blocks no request holds count as free."""
@@ -192,13 +218,22 @@ class Engine:
         """End the step's requests with an error the caller sees; their blocks are freed."""
         request_ids = {e.request.parent_id for e in scheduled.scheduled if e.request.parent_id is not None}
         logger.exception("engine step failed; ending the %d requests it served", len(request_ids))
+        return self._end_failed({request_id: f"{type(exc).__name__}: {exc}" for request_id in request_ids})
+
+    def _end_failed(self, errors: dict[str, str]) -> list[RequestDelta]:
+        """End these requests with their error (`RequestDelta.error`); their blocks are freed."""
         deltas = []
-        for request_id in request_ids:
+        for request_id, error in errors.items():
+            if request_id not in self.output_processor:
+                continue
             seq_ids = self.output_processor.sequence_ids(request_id)
             if self.speculator is not None:
                 self.speculator.finish(seq_ids)
+            self.structured.finish(seq_ids)
+            if self.kv_tier is not None:
+                self.kv_tier.drop(set(seq_ids))
             self.scheduler.finish_requests(seq_ids, RequestStatus.FINISHED_ABORTED)
-            delta = self.output_processor.end(request_id, "error", error=f"{type(exc).__name__}: {exc}")
+            delta = self.output_processor.end(request_id, "error", error=error)
             if delta is not None:
                 self.stats.finished(delta)
                 deltas.append(delta)

@@ -28,6 +28,8 @@ from pagedserve.common.engine_config import EngineConfig
 from pagedserve.common.errors import InvalidParameterError
 from pagedserve.engine.decode_graphs import DecodeGraphs, GraphCaptureError
 from pagedserve.engine.device import resolve_device, resolve_dtype
+from pagedserve.engine.grammar_manager import StructuredOutputManager
+from pagedserve.engine.grammar_sampling import advance, mask_logits
 from pagedserve.engine.kv_cache_pool import KVCachePool, KVCacheSpec, resolve_kv_cache_dtype
 from pagedserve.engine.model_loader import load_model
 from pagedserve.engine.sampling_inputs import SamplingInputs, sampled_logprobs
@@ -75,6 +77,9 @@ class ModelRunner:
         self.config = with_step_budget(config, max_len, self.device.type)
         self.sampler: SamplerPlugin = load_plugin("samplers", config.sampler)(self.config)
         self.sampling_inputs = SamplingInputs(self.vocab_size, self.device)
+        #: structured output: the engine's manager (set by the engine); its masks apply to the
+        #: logits before the sampler, whatever computed them (eager, fused CPU step, CUDA graph)
+        self.grammar: StructuredOutputManager | None = None
 
         self.decode_graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and self.attention_backend.name == "triton" and not config.enforce_eager:
@@ -206,6 +211,8 @@ class ModelRunner:
         if not batch.sample_entries:
             return RunnerOutput(sampled, None)
         logits = self.compute_logits(hidden, batch.sample_rows)  # [num_rows, vocab]
+        grammar = self.grammar
+        step = mask_logits(grammar, logits, entries, batch.sample_entries) if grammar and grammar.states else None
         requests = [entries[i].request for i in batch.sample_entries]
         verifying = any(e.spec_token_ids for e in entries)
         drafts = draft_prefixes(entries, batch.sample_entries) if verifying else None
@@ -220,6 +227,9 @@ class ModelRunner:
                     entry_logprobs = logprobs[i] if logprobs is not None else None
                     if logprobs is not None and entry_logprobs is not None:
                         logprobs[i] = entry_logprobs[: len(sampled[i])]
+        if step is not None:
+            assert grammar is not None  # a step is made only with one
+            return RunnerOutput(sampled, logprobs, advance(grammar, step, entries, sampled, logprobs))
         return RunnerOutput(sampled, logprobs)
 
     def compute_logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -69,6 +69,10 @@ class FCFSScheduler(SchedulerPlugin):
                 continue  # preempted earlier in this loop
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             assert num_new > 0, f"running request {request.request_id} has nothing to compute"
+            if not request.grammar_ready:  # its grammar compiles: everything but the chunk that samples
+                num_new = min(num_new, request.num_tokens - request.num_computed_tokens - 1)
+                if num_new == 0:
+                    continue
             # A decoding request's drafts ride along as lookahead tokens, within the budget.
             spec = request.spec_token_ids[: budget - 1] if num_new == 1 else []
             while not self.kv.allocate_slots(request, num_new + len(spec)):
@@ -106,6 +110,10 @@ class FCFSScheduler(SchedulerPlugin):
                 if hit.num_blocks < len(hashes) and hashes[hit.num_blocks] in in_flight:
                     continue
                 num_new = request.num_tokens - hit.num_tokens
+                if not request.grammar_ready:  # its grammar compiles: not the chunk that samples
+                    num_new -= 1
+                    if num_new <= 0:
+                        continue
                 if num_new > budget:
                     if not self.enable_chunked_prefill:
                         break

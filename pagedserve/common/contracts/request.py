@@ -62,6 +62,13 @@ class Request:
     #: draft tokens proposed for the next step (speculative decoding): set by the engine after
     #: a step, verified by the next one if the scheduler takes them; never part of token_ids
     spec_token_ids: list[int] = field(default_factory=list)
+    #: structured output (engine/grammar_manager.py): False while the sequence's grammar
+    #: compiles. The engine sets it; a scheduler computes such a sequence's prompt but not the
+    #: chunk that ends it (that chunk samples, and sampling needs the grammar)
+    grammar_ready: bool = True
+    #: structured output: the length of `token_ids` at which the grammar completed (the engine
+    #: sets it when a step's tokens finish the grammar); `stop_status` stops the sequence there
+    grammar_end: int | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -89,11 +96,13 @@ class Request:
     def stop_status(self, token: int) -> RequestStatus | None:
         """The final status that `token`, just appended, gives this sequence, or None.
 
-        The rules every scheduler applies: past `min_tokens`, an EOS id (unless ignore_eos)
+        The rules every scheduler applies: a completed grammar stops it (`grammar_end`); past `min_tokens`, an EOS id (unless ignore_eos)
         or a stop token id (kept as `stop_reason`) stops it; `max_tokens` ends it. Stop
         strings are the output processor's: they need the text.
         """
         params = self.sampling_params
+        if self.grammar_end is not None and self.num_tokens >= self.grammar_end:
+            return RequestStatus.FINISHED_STOPPED  # the grammar is complete: nothing but EOS may follow
         if self.num_output_tokens >= params.min_tokens:
             if token in self.eos_token_ids and not params.ignore_eos:
                 return RequestStatus.FINISHED_STOPPED

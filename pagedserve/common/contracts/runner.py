@@ -49,16 +49,22 @@ class RunnerOutput:
     #: per entry, the tokens to append, in order: [] for a prefill chunk that did not finish
     #: its prompt, one token for a decode, and with speculative decoding the accepted drafts
     #: followed by the target's own next token (so 1 + accepted drafts: the entry's
-    #: `spec_token_ids` beyond that were rejected, and their K/V does not count as computed)
+    #: `spec_token_ids` beyond that were rejected, and their K/V does not count as computed),
+    #: then any tokens a grammar forces (`num_forced`)
     sampled_token_ids: list[list[int]]
     #: per entry, one SampledLogprobs per token above (None for an entry that asked for none);
     #: None when no sequence asked for them
     logprobs: list[list[SampledLogprobs] | None] | None
+    #: per entry, how many of its tokens, at the end, a grammar forced after the sampled one
+    #: (structured output's jump-forward): appended like the others, but their K/V is not
+    #: computed yet (the next step computes it); None when no entry has any
+    num_forced: list[int] | None = None
 
     def num_rejected(self, i: int, entry_num_drafts: int) -> int:
         """Drafts of entry `i` the target rejected (their K/V was computed but is not kept)."""
         tokens = self.sampled_token_ids[i]
-        return entry_num_drafts - (len(tokens) - 1) if tokens else 0
+        forced = self.num_forced[i] if self.num_forced is not None else 0
+        return entry_num_drafts - (len(tokens) - 1 - forced) if tokens else 0
 
 
 @dataclass(slots=True)
