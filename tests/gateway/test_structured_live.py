@@ -4,12 +4,10 @@ random model) driven by the official openai SDK and by LangChain's ChatOpenAI, u
 A random model says nothing sensible, but the grammar makes every constrained answer valid:
 each is checked against its JSON Schema. In `auto` mode it never calls a tool by itself, so
 those tests check the exact shape of a text answer (the parse path has its unit tests in
-test_structured_requests.py). They need the engine to enforce `structured_outputs`
-(engine/structured_output.py) and skip without it."""
+test_structured_requests.py)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 
@@ -18,11 +16,10 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
+from pagedserve.common.redis_server import EmbeddedRedis
+
 from serve_helpers import LiveServer
 from tiny_models import build_checkpoint
-
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("pagedserve.engine.structured_output") is None,
-                                reason="the engine does not enforce structured_outputs yet (branch so-engine)")
 
 KEY = "sk-test-a"
 CALL_ID = re.compile(r"^call_[0-9a-f]{24}$")
@@ -42,11 +39,12 @@ class City(BaseModel):
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     model_dir = build_checkpoint("llama", tmp_path_factory.mktemp("so-llama"), max_position_embeddings=4096)
-    live = LiveServer(model_dir, None, "--num-workers", "1", "--max-num-seqs", "4")
-    try:
-        yield live.wait_ready()
-    finally:
-        live.stop()
+    with EmbeddedRedis() as redis_server:  # as test_live_server.py runs it
+        live = LiveServer(model_dir, redis_server.url, "--num-workers", "1", "--max-num-seqs", "4")
+        try:
+            yield live.wait_ready()
+        finally:
+            live.stop()
 
 
 @pytest.fixture()
