@@ -116,7 +116,16 @@ def test_good_requests_pass_every_check(http, redis_url):
 
 
 def test_a_compile_over_the_timeout_is_refused(redis_url, tokenizer_dir):
-    with _http(redis_url, tokenizer_dir, structured_output_compile_timeout=1e-6) as http:
+    import time
+
+    from pagedserve.gateway.grammar_check import GrammarChecker
+
+    class SlowBackend:  # a compile that outlives the timeout, whatever the machine's speed
+        def compile(self, spec):
+            time.sleep(1.0)
+
+    with _http(redis_url, tokenizer_dir) as http:
+        http.app.state.gateway.grammar = GrammarChecker(SlowBackend, 400, compile_timeout=0.05)
         status, param, message = _answer(http, {**CHAT, "structured_outputs": {"regex": "[0-9]{1,50}x"}})
     assert (status, param) == (400, "structured_outputs")
-    assert "took longer than 1e-06 s" in message
+    assert "took longer than 0.05 s" in message
