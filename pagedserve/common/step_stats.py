@@ -55,6 +55,13 @@ class StepStats:
     num_verifications: int = 0  # speculative decoding: sequences that verified drafts this step
     num_draft_tokens: int = 0  # draft tokens the step verified
     num_accepted_tokens: int = 0  # of those, accepted (each one a token gained over plain decoding)
+    # structured output (engine/grammar_manager.py), since the previous step
+    num_structured_requests: int = 0  # structured requests admitted
+    grammar_compile_times: tuple[float, ...] = ()  # seconds each grammar compiled in (off the step loop)
+    grammar_cache_hits: int = 0  # specs found compiled (or known invalid) in the cache
+    grammar_cache_misses: int = 0  # specs compiled
+    num_forced_tokens: int = 0  # tokens a grammar forced (taken without a sample)
+    num_jump_forward_tokens: int = 0  # of those, appended beyond one per step (decode steps saved)
 
     @property
     def duration(self) -> float:

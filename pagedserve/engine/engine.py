@@ -66,7 +66,7 @@ class Engine:
         if config.speculative_method is not None:
             proposer = load_plugin("proposers", config.speculative_method)(config)
             self.speculator = Speculator(config, proposer, config.speculative_method)
-        self.stats = StepStatsCollector(self.kv_manager.pool.stats)
+        self.stats = StepStatsCollector(self.kv_manager.pool.stats, self.structured.counters)
         self.last_step: StepStats | None = None  # what the latest step did (None: it computed nothing, or failed)
         self.kv_tier: KVTier | None = None  # the shared KV tier (kv_tier_memory > 0 and a URL)
         if config.kv_tier_memory and config.enable_prefix_caching:

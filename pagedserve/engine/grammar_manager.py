@@ -57,7 +57,7 @@ class StructuredOutputCounters:
     num_failed: int = 0  # requests ended by a grammar error, a matcher error or a compile timeout
     num_forced_tokens: int = 0  # tokens a grammar forced (emitted without a sample)
     num_steps_saved: int = 0  # of those, appended beyond one per step by jump-forward
-    compile_times: list[float] = field(default_factory=list)  # seconds, new since the last `take_compile_times`
+    compile_times: list[float] = field(default_factory=list)  # seconds, new since the stats collector took them
 
 
 class StructuredOutputManager:
@@ -230,10 +230,6 @@ class StructuredOutputManager:
             if state is not None and request.spec_token_ids:
                 valid = state.matcher.count_valid(request.spec_token_ids)
                 del request.spec_token_ids[valid:]
-
-    def take_compile_times(self) -> list[float]:
-        times, self.counters.compile_times = self.counters.compile_times, []
-        return times
 
     def close(self) -> None:
         if self._executor is not None:

@@ -132,9 +132,11 @@ def advance(manager: StructuredOutputManager, step: GrammarStep, entries: list[S
             tokens = sampled[i]
         if not tokens:
             continue
-        if not matcher.accept_tokens(tokens):
+        accepted = _accept(matcher, tokens)
+        if accepted < 0:
             _reject(manager, request, matcher, tokens, sampled, logprobs, i)
             continue
+        tokens = tokens[:accepted]  # none after the grammar completed (a verification's last sample: EOS)
         if jump and not forced and state.jump_forward and not matcher.is_finished:
             more = matcher.forced_tokens()
             if more:
@@ -154,6 +156,19 @@ def advance(manager: StructuredOutputManager, step: GrammarStep, entries: list[S
         if matcher.is_finished:
             request.grammar_end = state.num_tokens
     return num_forced
+
+
+def _accept(matcher: GrammarMatcher, tokens: list[int]) -> int:
+    """Advance over `tokens` up to the one that completes the grammar: how many were taken,
+    or -1 if the grammar rejected one."""
+    if len(tokens) == 1:
+        return 1 if matcher.accept_tokens(tokens) else -1
+    for n, token in enumerate(tokens):
+        if not matcher.accept_tokens([token]):
+            return -1
+        if matcher.is_finished:
+            return n + 1
+    return len(tokens)
 
 
 def _reject(manager: StructuredOutputManager, request, matcher: GrammarMatcher, tokens: list[int],

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pagedserve.common.contracts import SchedulerOutput
 from pagedserve.common.outputs import RequestDelta
 from pagedserve.common.step_stats import FinishedRequestStats, StepStats
+from pagedserve.engine.grammar_manager import StructuredOutputCounters
 from pagedserve.prefix_cache.block_pool import PrefixCacheStats
 
 
@@ -27,6 +28,8 @@ class StepStatsCollector:
     request's last token time and the prefix cache counters at the previous step."""
 
     prefix_stats: PrefixCacheStats  # the block pool's counters (read, never written)
+    #: the grammar manager's counters (read; their compile times are taken)
+    structured: StructuredOutputCounters = field(default_factory=StructuredOutputCounters)
     # whether ended requests are kept for `pop_finished`: only a reader that pops them (the
     # worker service) turns it on, so that in-process use (LLM.generate) keeps nothing
     keep_finished: bool = False
@@ -34,6 +37,7 @@ class StepStatsCollector:
     _queries: int = 0  # prefix_stats at the previous step
     _hits: int = 0
     _tier_hits: int = 0
+    _structured: tuple[int, int, int, int, int] = (0, 0, 0, 0, 0)  # the structured counters at the previous step
     _finished: list[FinishedRequestStats] = field(default_factory=list)
 
     def step(self, started: float, scheduled: SchedulerOutput, deltas: list[RequestDelta], num_running: int,
@@ -59,6 +63,11 @@ class StepStatsCollector:
                 self._last_token[delta.request_id] = now
             if delta.finished:
                 self.finished(delta)
+        so = self.structured
+        now_so = (so.num_requests, so.num_cache_hits, so.num_cache_misses, so.num_forced_tokens, so.num_steps_saved)
+        so_delta = [a - b for a, b in zip(now_so, self._structured)]
+        self._structured = now_so
+        compile_times, so.compile_times = tuple(so.compile_times), []
         queries, hits, tier = self.prefix_stats.num_queries, self.prefix_stats.num_hits, self.prefix_stats.num_tier_hits
         stats = StepStats(
             started=started, ended=now, request_ids=tuple(request_ids), num_batched_tokens=scheduled.num_batched_tokens,
@@ -67,6 +76,8 @@ class StepStatsCollector:
             prefix_cache_queries=queries - self._queries, prefix_cache_hits=hits - self._hits,
             inter_token_latencies=tuple(latencies), prefix_cache_tier_hits=tier - self._tier_hits,
             num_verifications=verified[0], num_draft_tokens=verified[1], num_accepted_tokens=verified[2],
+            num_structured_requests=so_delta[0], grammar_compile_times=compile_times, grammar_cache_hits=so_delta[1],
+            grammar_cache_misses=so_delta[2], num_forced_tokens=so_delta[3], num_jump_forward_tokens=so_delta[4],
         )
         self._queries, self._hits, self._tier_hits = queries, hits, tier
         return stats

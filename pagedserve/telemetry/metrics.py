@@ -35,6 +35,7 @@ FINISHED_REASONS = ("stop", "length", "abort", "error")
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+GRAMMAR_COMPILE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                            240.0, 480.0, 960.0, 1920.0, 7680.0)
 
@@ -120,6 +121,14 @@ class WorkerMetrics:
                 spec_counter("spec_decode_num_accepted_tokens", "Draft tokens accepted (each one a token gained over "
                              "plain decoding). Mean accepted length: accepted tokens / drafts."),
             )
+        self.structured_requests = counter("structured_output_requests", "Requests whose output a grammar constrains.")
+        self.grammar_compile = histogram("structured_output_compile_seconds", "Seconds a grammar took to compile "
+                                         "(in the engine's thread pool, off the step loop).", GRAMMAR_COMPILE_BUCKETS)
+        self.grammar_cache_hits = counter("structured_output_cache_hits", "Specs found compiled (or known invalid) "
+                                          "in the engine's grammar cache.")
+        self.grammar_cache_misses = counter("structured_output_cache_misses", "Specs the engine compiled.")
+        self.jump_forward_tokens = counter("structured_output_jump_forward_tokens", "Tokens a grammar forced that "
+                                           "were appended beyond one per step (each a decode step saved).")
         self.steals = counter("requests_stolen", "Requests this worker took from another worker's routed stream "
                               "(that worker busy past steal_after, or dead).")
 
@@ -149,6 +158,13 @@ class WorkerMetrics:
                 counter.inc(value)
         for latency in step.inter_token_latencies:
             self.itl.observe(latency)
+        for seconds in step.grammar_compile_times:
+            self.grammar_compile.observe(seconds)
+        for metric, value in ((self.structured_requests, step.num_structured_requests),
+                              (self.grammar_cache_hits, step.grammar_cache_hits),
+                              (self.grammar_cache_misses, step.grammar_cache_misses),
+                              (self.jump_forward_tokens, step.num_jump_forward_tokens)):
+            metric.inc(value)  # structured output (0 without)
 
     def observe_finished(self, finished: FinishedRequestStats) -> None:
         """A request that ended in the engine: one success count per completion (as vLLM

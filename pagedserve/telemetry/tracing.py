@@ -76,6 +76,7 @@ REQUEST_ID = "pagedserve.request.id"
 TENANT = "pagedserve.tenant"
 WORKER_ID = "pagedserve.worker.id"
 ATTEMPT = "pagedserve.attempt"  # the delivery: 1, then 2, … after a worker died with it
+STRUCTURED_OUTPUT = "pagedserve.structured_output"  # the request's constraint kind (json, regex, ...), when it has one
 RESUMED = "pagedserve.resumed"  # true when this worker continues what another began
 TIME_TO_FIRST_TOKEN = "pagedserve.time_to_first_token"  # seconds, on this worker
 PREEMPTIONS = "pagedserve.preemptions"

@@ -81,6 +81,8 @@ class RequestTraces(NoRequestTraces):
         }
         if request.tenant is not None:
             attributes[t.TENANT] = request.tenant
+        if request.params.structured_outputs is not None:
+            attributes[t.STRUCTURED_OUTPUT] = request.params.structured_outputs.kind
         old = self.spans.pop(request.request_id, None)
         if old is not None:  # taken again while an earlier delivery's span was open here
             old.span.end()
