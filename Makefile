@@ -27,6 +27,12 @@ $(STAMP): pyproject.toml
 serve: $(STAMP)
 	$(VENV)/bin/pagedserve serve $(ARGS)
 
+# pytest-xdist worker processes for the non-docker tests: `make test TEST_WORKERS=2` (each
+# whole file on one worker, so a module's fixtures are built once; tests/conftest.py gives each
+# worker its share of torch's threads). 0, the default: one process, as before, until a full
+# run of the suite under -n 2 on CI's two cores is known to pass and to be faster.
+TEST_WORKERS ?= 0
+
 # ruff, the layer contract ([tool.importlinter] in pyproject.toml), mypy ([tool.mypy]), pytest
 # but the `docker` tests, then those (test-docker; they run whether or not the rest passed).
 # The Docker engine and the images start in the background first (ops/docker-engine.sh),
@@ -36,7 +42,7 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy
-	$(PY) -m pytest -q --durations=20 -m 'not docker'; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; \
+	$(PY) -m pytest -q --durations=20 -m 'not docker' -n $(TEST_WORKERS) --dist loadfile; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; \
 	$(MAKE) --no-print-directory test-docker || rc=1; exit $$rc
 
 # The container tests (the `docker` marker: tests/ops/test_stack.py, the containerized Redis

@@ -17,6 +17,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 # one). The `gpu` test runs them compiled, in a subprocess without it.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (`-n N`, as `make test` runs the suite) each worker process gets its
+# share of the cores for torch's intra-op threads, so N workers do not each spin up a thread
+# per core and fight over them (torch's default is one per core).
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 from tiny_models import build_checkpoint  # noqa: E402
 
 ROOT = Path(__file__).parents[1]
@@ -89,6 +97,22 @@ def pytest_collection_finish(session):
     _marks_of.clear()
     for item in session.items:  # those selected (after -m and -k)
         _marks_of[item.nodeid] = {mark.name for mark in item.iter_markers()} & registered
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_logreport(report):
+    """Under pytest-xdist the controller, which writes the summary, collects nothing: a test's
+    markers come with its setup report (its keywords hold its markers' names)."""
+    if report.when == "setup" and report.nodeid not in _marks_of and _config is not None:
+        _marks_of[report.nodeid] = set(report.keywords) & _registered_markers(_config)
+
+
+_config = None
+
+
+def pytest_configure(config):
+    global _config
+    _config = config
 
 
 def _skip_reason(report) -> str:

@@ -75,10 +75,14 @@ def test_window_longer_than_the_context_is_refused(tiny_checkpoint):
     assert_pool_clean(engine)
 
 
-#: the default model's test reads the text's first 20 windows of 1024 tokens: 20,460 tokens
-#: scored (each window's first token has no context)
+#: the default model's test reads the text's first 6 windows of 1024 tokens: 6,138 tokens
+#: scored (each window's first token has no context). The figures in docs/performance-history.md
+#: ("Perplexity") are the CLI's over 20 windows; 6 keep the suite's three runs of the model
+#: (float32, int8 weights, int8 KV) to about a third of the time, with the ratios they assert
+#: still far inside the bounds (see the printed figures).
 CONTEXT = 1024
-NUM_TOKENS = 20 * CONTEXT
+NUM_WINDOWS = 6
+NUM_TOKENS = NUM_WINDOWS * CONTEXT
 CHUNK = 256  # each window in 4 prefill chunks: the later ones read the K/V the earlier ones cached
 
 
@@ -100,7 +104,7 @@ def float32_perplexity():
     pytest.param({"kv_cache_dtype": "int8"}, 1.01, id="int8-kv"),  # measured: 27.4268 against 27.4194, 1.0003
 ])
 def test_default_model_perplexity_within_bound(float32_perplexity, overrides, bound):
-    """Perplexity of the default model on Jekyll and Hyde (20,480 tokens), float32 against
+    """Perplexity of the default model on Jekyll and Hyde (its first 6,144 tokens), float32 against
     a quantized engine: at most `bound` times float32's (issue #17: int8 weights 2%, int8
     KV 1%). Both figures are printed (docs/performance-history.md, "Perplexity")."""
     base = float32_perplexity
@@ -108,7 +112,7 @@ def test_default_model_perplexity_within_bound(float32_perplexity, overrides, bo
     ratio = result.value / base.value
     print(f"\nperplexity over {base.num_scored} tokens: float32 {base.value:.4f}, {overrides} {result.value:.4f}, "
           f"ratio {ratio:.4f}")
-    assert base.num_scored == result.num_scored == NUM_TOKENS - NUM_TOKENS // CONTEXT >= 20_000
+    assert base.num_scored == result.num_scored == NUM_TOKENS - NUM_WINDOWS == 6_138
     # a broken harness could make both equal and meaningless: a uniform guess scores 49,152
     assert base.value < 100
     assert ratio <= bound
