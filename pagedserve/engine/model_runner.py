@@ -127,7 +127,7 @@ class ModelRunner:
         return self._prepare_mixed(entries)
 
     def _prepare_mixed(self, entries: list[ScheduledRequest]) -> ModelInput:
-        is_rows = [e.num_new_tokens == 1 or bool(e.spec_token_ids) for e in entries]  # one-token rows
+        is_rows = [_as_rows(e) for e in entries]  # one-token rows
         order = [i for i, rows in enumerate(is_rows) if rows] + [i for i, rows in enumerate(is_rows) if not rows]
         bs = self.block_size
         max_blocks = max(len(e.block_ids) for e in entries)
@@ -264,6 +264,23 @@ class ModelRunner:
         self.attention_backend.prepare(metadata, self.block_size)
         input_ids = torch.tensor(batch.input_ids, dtype=torch.long, device=dev)
         return input_ids, torch.from_numpy(batch.positions).to(dev), metadata
+
+
+#: the most uncomputed output tokens of one sequence laid out as one-token rows
+MAX_ROWS_PER_SEQUENCE = 16
+
+
+def _as_rows(entry: ScheduledRequest) -> bool:
+    """Whether an entry's tokens go in as one-token rows rather than one chunk: a decode, a
+    verification of drafts, and a decoding sequence's few tokens not yet computed (those a
+    grammar forced, appended in one step). Rows keep a step of decoding sequences on the
+    decode fast paths (the fused CPU step, CUDA graphs); a chunk would send it down the
+    prefill path."""
+    n = entry.num_new_tokens
+    if n == 1 or entry.spec_token_ids:
+        return True
+    request = entry.request
+    return request.num_computed_tokens >= request.num_prompt_tokens and n <= MAX_ROWS_PER_SEQUENCE
 
 
 def with_step_budget(config: EngineConfig, max_model_len: int, device_type: str) -> EngineConfig:

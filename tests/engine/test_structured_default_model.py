@@ -27,7 +27,7 @@ SCHEMAS = [
     _obj({"nickname": {"anyOf": [{"type": "string", "maxLength": 15}, {"type": "null"}]}}),
     {"$defs": {"point": POINT}, **_obj({"start": {"$ref": "#/$defs/point"}, "end": {"$ref": "#/$defs/point"}})},
     _obj({"zip": {"type": "string", "pattern": "^[0-9]{5}$"}}),
-    _obj({"date": {"type": "string", "format": "date"}, "email": {"type": "string", "format": "email"}}),
+    _obj({"date": {"type": "string", "format": "date"}, "email": {"type": "string", "format": "email", "maxLength": 40}}),  # unbounded, one seed repeated "john-" to max_tokens
     _obj({"price": {"type": "number", "minimum": 0, "maximum": 1000},
           "quantity": {"type": "integer", "minimum": 1, "maximum": 10}}),
     _obj({"title": {"type": "string", "minLength": 1, "maxLength": 40}, "done": {"type": "boolean"}}),
