@@ -10,8 +10,9 @@ down 1536→576) and each row count M, the median time of:
   does above its switch-over row count);
 - `small_i8`: the int8 kernel of kernels/csrc/cpu_decode.cpp (the fused decode step's GEMV,
   blocked for any M; `torch.ops.pagedserve.int8_linear`): the int8 × int8 kernel of
-  cpu_int8_gemv.cpp where the CPU has AVX-512 VNNI, and then `small_fma` the float path
-  (weights widened to float32) beside it; `small_f32` its float32 twin.
+  cpu_int8_gemv.cpp the CPU has (avx512vnni, avxvnni or avx2: named in the header), and then
+  `small_fma` the float path (weights widened to float32) beside it, up to M = 64;
+  `small_f32` its float32 twin.
 Printed as microseconds; the model's `Int8Linear` picks its switch-over from these figures.
 """
 
@@ -48,9 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     kernels = cpu_kernels()
     g = torch.Generator().manual_seed(0)
-    vnni = kernels is not None and hasattr(kernels, "int8_vnni_available") and kernels.int8_vnni_available()
+    int8_int8 = kernels.int8_kernel() if kernels is not None else "float"
+    both = int8_int8 != "float"  # an int8 × int8 kernel beside the float path
     print(f"{'shape':8} {'M':>5} {'float32':>9} {'int8pack':>9} {'dequant':>9} {'small_i8':>9} {'small_f32':>9}"
-          f"{' small_fma' if vnni else ''}  (us)")
+          f"{' small_fma' if both else ''}  (us; small_i8: the {int8_int8} kernel, {args.threads} threads)")
     for name, (k, n) in SHAPES.items():
         w = torch.randn(n, k, generator=g) * 0.02
         scale = w.abs().amax(dim=1) / 127
@@ -72,12 +74,12 @@ def main(argv: list[str] | None = None) -> int:
                 if m <= 64:  # an unblocked GEMV: meant for the fused step's few rows
                     small_f32 = _time(lambda: kernels.small_linear(x, w), repeat)  # noqa: B023
             fma = ""
-            if vnni and m <= 64:
-                kernels.set_int8_vnni(False)
+            if both and m <= 64:
+                kernels.set_int8_kernel("float")
                 try:
                     fma = f" {_time(lambda: kernels.small_linear_int8(x, wq, scale), repeat):9.1f}"  # noqa: B023
                 finally:
-                    kernels.set_int8_vnni(True)
+                    kernels.set_int8_kernel(int8_int8)
             print(f"{name:8} {m:5d} {f32:9.1f} {pack:9.1f} {deq:9.1f} {small_i8:9.1f} {small_f32:9.1f}{fma}")
     return 0
 
