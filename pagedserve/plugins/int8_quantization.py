@@ -36,13 +36,13 @@ from pagedserve.common.contracts import QuantizationPlugin, QuantizationReport
 #: `aten._weight_int8pack_mm` (torch 2.13 CPU) is not used: it took 10x float32's time at
 #: M = 1 (qkv 450 us against 44 us) and grows linearly with M (7.6 ms at M = 16).
 #: With an int8 × int8 kernel the extension says so (`int8_kernel_max_rows`: 128 rows with
-#: AVX-512 VNNI, 64 with AVX2 or AVX-VNNI).
+#: AVX-512 VNNI, 48 with AVX2 or AVX-VNNI).
 INT8_KERNEL_MAX_ROWS = 16
 
 
 def int8_kernel_max_rows() -> int:
     """Up to how many rows `Int8Linear.forward` runs the extension's int8 kernel: what the
-    extension answers for its kernel selected now (128 with AVX-512 VNNI, 64 with AVX2 or
+    extension answers for its kernel selected now (128 with AVX-512 VNNI, 48 with AVX2 or
     AVX-VNNI, 16 on the float path), else INT8_KERNEL_MAX_ROWS."""
     op = _cpu_op("int8_kernel_max_rows")
     return int(op()) if op is not None else INT8_KERNEL_MAX_ROWS

@@ -329,7 +329,7 @@ def test_int8_linear_kernel_refuses_wrong_dtypes_and_shapes():
 @pytest.mark.parametrize("rows", [1, 3, 17, 100, 129])
 @pytest.mark.parametrize("with_kernels", [True, False])
 def test_int8_module_forward_equals_the_dequantized_linear(rows, with_kernels, monkeypatch):
-    """Both sides of the switch-over (the C++ kernel up to 16 rows, 64 or 128 with an int8 × int8 kernel;
+    """Both sides of the switch-over (the C++ kernel up to 16 rows, 48 or 128 with an int8 × int8 kernel;
     dequantize + F.linear above), and the plain torch fallback when the extension is not loaded."""
     import pagedserve.plugins.int8_quantization as quantization
 
@@ -404,10 +404,10 @@ def test_unknown_quantization_is_an_invalid_parameter():
 @needs_int8_int8
 @pytest.mark.parametrize("kernel", INT8_INT8_KERNELS)
 def test_the_int8_kernel_row_bound_per_kernel(kernel):
-    """Up to 128 rows with AVX-512 VNNI, 64 with AVX-VNNI or AVX2, 16 on the float path."""
+    """Up to 128 rows with AVX-512 VNNI, 48 with AVX-VNNI or AVX2, 16 on the float path."""
     import pagedserve.plugins.int8_quantization as quantization
 
     with _select(kernel):
-        assert quantization.int8_kernel_max_rows() == {"avx512vnni": 128, "avxvnni": 64, "avx2": 64}[kernel]
+        assert quantization.int8_kernel_max_rows() == {"avx512vnni": 128, "avxvnni": 48, "avx2": 48}[kernel]
     with _select("float"):
         assert quantization.int8_kernel_max_rows() == quantization.INT8_KERNEL_MAX_ROWS == 16

@@ -548,7 +548,7 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("int8_linear(Tensor x, Tensor w, Tensor scale, Tensor? bias=None) -> Tensor");
   m.def("int8_dequantize(Tensor w, Tensor scale) -> Tensor");
   // Up to how many rows `int8_linear` beats dequantizing for float32 F.linear, for the kernel
-  // selected now (cpu_int8_gemv.cpp: 128 with AVX-512 VNNI, 64 with AVX2 or AVX-VNNI, 16 for
+  // selected now (cpu_int8_gemv.cpp: 128 with AVX-512 VNNI, 48 with AVX2 or AVX-VNNI, 16 for
   // the float path).
   m.def("int8_kernel_max_rows() -> int", []() -> int64_t { return int8_kernel_max_rows(); });
 }

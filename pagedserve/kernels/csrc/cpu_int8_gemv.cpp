@@ -432,11 +432,13 @@ int64_t int8_kernel_max_rows() {
   switch (g_kernel.load(std::memory_order_relaxed)) {
     // one thread, the default model's four shapes: 11.0 ms against 14.9 for float32 at M = 128
     case kAvx512Vnni: return 128;
-    // AVX2 + FMA (AMD EPYC, no AVX-512), 2 threads, the four shapes summed: see
-    // docs/performance-history.md, "The AVX2 int8 × int8 kernel". AVX-VNNI (not measured: no
-    // such CPU here) does three instructions per block where AVX2 does five: the same bound.
+    // AVX2 + FMA (AMD EPYC, no AVX-512), one thread, passes over the model's 120 linears
+    // (benchmarks/int8_linear.py --model-pass): below dequantize + F.linear up to 48 rows in
+    // every run (M = 32: 159 against 240 ms), level with it at 64 (1.11x in one run, 0.72x in
+    // another); docs/performance-history.md, "The AVX2 int8 × int8 kernel". AVX-VNNI (not
+    // measured: no such CPU here) does three instructions per block where AVX2 does five.
     case kAvxVnni:
-    case kAvx2: return 64;
+    case kAvx2: return 48;
     default: return 16;  // the float path
   }
 }
