@@ -9,10 +9,10 @@ once and each round times one request of `--tokens` greedy tokens on each (and
 `llama-bench -n TOKENS -r 1` on the GGUF, when given), in turn; the per-round ratios are
 printed with their range.
 
-Where the CPU extension has the AVX-512 VNNI kernel (kernels/csrc/cpu_int8_gemv.cpp, on by
-default), each int8 engine is timed twice per round: `int8` with it, and `int8/fma` with the
-float path of cpu_decode.cpp (the process-wide `set_int8_vnni` switch, flipped around that
-engine's request); `--no-float-kernel` leaves the `fma` runs out.
+Where the CPU has an int8 × int8 kernel (kernels/csrc/cpu_int8_gemv.cpp: avx512vnni, avxvnni
+or avx2, the best one on by default), each int8 engine is timed twice per round: `int8` with
+it, and `int8/fma` with the float path of cpu_decode.cpp (the process-wide `set_int8_kernel`
+switch, flipped around that engine's request); `--no-float-kernel` leaves the `fma` runs out.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--quantize-lm-head", action="store_true", help="also an int8 engine with the LM head int8")
     parser.add_argument("--no-float-kernel", action="store_true",
-                        help="no int8/fma runs (the float path beside the VNNI kernel)")
+                        help="no int8/fma runs (the float path beside the int8 × int8 kernel)")
     parser.add_argument("--llama-cpp", default=None, metavar="DIR")
     parser.add_argument("--gguf", default=None)
     args = parser.parse_args(argv)
@@ -71,14 +71,16 @@ def main(argv: list[str] | None = None) -> int:
                                    num_threads=args.threads, quantization="int8", quantize_lm_head=True)
     for llm in engines.values():
         llm.generate([[11] * 8], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
-    # (engine, VNNI kernel on/off, or None to leave the switch as it is) per figure
-    runs: dict[str, tuple[str, bool | None]] = {name: (name, None) for name in engines}
+    # (engine, the int8 kernel to select, or None to leave the switch as it is) per figure
+    runs: dict[str, tuple[str, str | None]] = {name: (name, None) for name in engines}
     kernels = _cpu_kernels()
-    if kernels is not None and kernels.int8_vnni_available():
+    best = kernels.int8_kernel() if kernels is not None else "float"
+    if best != "float":
+        print(f"int8: the {best} kernel; int8/fma: the float path")
         for name in [n for n in engines if n != "float32"]:
-            runs[name] = (name, True)
+            runs[name] = (name, best)
             if not args.no_float_kernel:
-                runs[name + "/fma"] = (name, False)
+                runs[name + "/fma"] = (name, "float")
     figures: dict[str, list[float]] = {name: [] for name in runs}
     if args.llama_cpp:
         figures["llama.cpp"] = []
@@ -88,14 +90,14 @@ def main(argv: list[str] | None = None) -> int:
                                   str(args.tokens), "-t", str(args.threads), "-r", "1", "-o", "json"],
                                  check=True, capture_output=True, text=True).stdout
             figures["llama.cpp"].append(float(json.loads(out)[0]["avg_ts"]))
-        for name, (engine, vnni) in runs.items():
-            if vnni is not None:
-                kernels.set_int8_vnni(vnni)
+        for name, (engine, kernel) in runs.items():
+            if kernel is not None:
+                kernels.set_int8_kernel(kernel)
             try:
                 figures[name].append(_decode_tok_s(engines[engine], args.tokens, 100 + i))
             finally:
-                if vnni is not None:
-                    kernels.set_int8_vnni(True)
+                if kernel is not None:
+                    kernels.set_int8_kernel(best)
         print("round", i, " ".join(f"{n}={v[-1]:.1f}" for n, v in figures.items()), flush=True)
     print(f"batch-1 decode tok/s, {args.tokens} tokens, {args.threads} threads, {args.rounds} rounds "
           f"(median [min, max]); ratios per round against float32:")

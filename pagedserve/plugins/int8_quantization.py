@@ -3,9 +3,10 @@
 At load time every `nn.Linear` of the model (the LM head only with `quantize_lm_head`)
 becomes an `Int8Linear`: `weight` int8 [out, in] and `weight_scale` float32 [out], with
 scale = max|w[o, :]| / 127 and weight = round(w / scale), so each element is off by at
-most scale / 2. Activations stay float, except inside the C++ kernel on CPUs with AVX-512
-VNNI (kernels/csrc/cpu_int8_gemv.cpp), which quantizes them to int8 per block of 32 values
-(as llama.cpp's Q8_0 activations) to multiply int8 by int8. The fused CPU decode step reads
+most scale / 2. Activations stay float, except inside the C++ int8 × int8 kernels on x86 CPUs
+with AVX2 + FMA, AVX-VNNI or AVX-512 VNNI (kernels/csrc/cpu_int8_gemv.cpp, chosen at run time),
+which quantize them to int8 per block of 32 values (as llama.cpp's Q8_0 activations) to
+multiply int8 by int8. The fused CPU decode step reads
 these tensors directly (kernels/csrc/cpu_decode.cpp); every other step runs
 `Int8Linear.forward`, which uses the same C++ kernel through torch's operator registry when
 the worker has loaded it, on CUDA the Triton w8a16 GEMM (kernels/triton_int8.py) through the
@@ -34,13 +35,15 @@ from pagedserve.common.contracts import QuantizationPlugin, QuantizationReport
 #: dequantization adds 30-100 us per call, lost in the GEMM from M = 64 on.
 #: `aten._weight_int8pack_mm` (torch 2.13 CPU) is not used: it took 10x float32's time at
 #: M = 1 (qkv 450 us against 44 us) and grows linearly with M (7.6 ms at M = 16).
-#: With the AVX-512 VNNI kernel the extension says so (`int8_kernel_max_rows`: 128 rows).
+#: With an int8 × int8 kernel the extension says so (`int8_kernel_max_rows`: 128 rows with
+#: AVX-512 VNNI, 48 with AVX2 or AVX-VNNI).
 INT8_KERNEL_MAX_ROWS = 16
 
 
 def int8_kernel_max_rows() -> int:
     """Up to how many rows `Int8Linear.forward` runs the extension's int8 kernel: what the
-    extension answers (128 with its VNNI kernel on), else INT8_KERNEL_MAX_ROWS."""
+    extension answers for its kernel selected now (128 with AVX-512 VNNI, 48 with AVX2 or
+    AVX-VNNI, 16 on the float path), else INT8_KERNEL_MAX_ROWS."""
     op = _cpu_op("int8_kernel_max_rows")
     return int(op()) if op is not None else INT8_KERNEL_MAX_ROWS
 

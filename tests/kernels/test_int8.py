@@ -3,6 +3,9 @@ reference, and the fused decode step with int8 weights against the eager int8 fo
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,33 +21,46 @@ from pagedserve.plugins.int8_quantization import (
 from engine_helpers import assert_fused_step_equals_eager
 
 needs_kernels = pytest.mark.skipif(cpu_kernels() is None, reason="the CPU kernels need a C++ compiler")
-needs_vnni = pytest.mark.skipif(cpu_kernels() is None or not cpu_kernels().int8_vnni_available(),
-                                reason="the int8 × int8 kernel needs a CPU (and build) with AVX-512 VNNI")
+#: the int8 × int8 kernels of this CPU (kernels/csrc/cpu_int8_gemv.cpp: avx512vnni, avxvnni,
+#: avx2, whichever the CPU has), best first; "float" (the weights widened to float32) is not one
+INT8_INT8_KERNELS = [] if cpu_kernels() is None else [k for k in cpu_kernels().int8_kernels() if k != "float"]
+needs_int8_int8 = pytest.mark.skipif(not INT8_INT8_KERNELS,
+                                     reason="no int8 × int8 kernel here (it needs x86 with AVX2 + FMA at least)")
 
 
-def _vnni_on() -> bool:
-    """Whether the int8 linear of the extension runs the VNNI kernel now (quantized activations)."""
+def _int8_int8_on() -> bool:
+    """Whether the int8 linear of the extension runs an int8 × int8 kernel now (quantized activations)."""
     kernels = cpu_kernels()
-    return kernels is not None and kernels.int8_vnni_enabled()
+    return kernels is not None and kernels.int8_kernel() != "float"
+
+
+@contextlib.contextmanager
+def _select(kernel: str) -> Iterator[None]:
+    """That kernel of the int8 linear for the duration (the previous one restored after)."""
+    previous = cpu_kernels().set_int8_kernel(kernel)
+    try:
+        yield
+    finally:
+        cpu_kernels().set_int8_kernel(previous)
 
 
 @pytest.fixture
 def float_path():
-    """The float path of the int8 kernel (weights widened to float32) for this test, where the
-    VNNI kernel would otherwise run; the switch is restored after it."""
-    kernels = cpu_kernels()
-    previous = kernels is not None and kernels.int8_vnni_available() and kernels.set_int8_vnni(False)
-    yield
-    if previous:
-        kernels.set_int8_vnni(True)
+    """The float path of the int8 kernel (weights widened to float32) for this test, where an
+    int8 × int8 kernel would otherwise run; the switch is restored after it."""
+    if cpu_kernels() is None:
+        yield
+        return
+    with _select("float"):
+        yield
 
 
-#: the activation block of the VNNI kernel (kernels/csrc/cpu_int8_gemv.cpp): one scale per 32 values
+#: the activation block of the int8 × int8 kernels (kernels/csrc/cpu_int8_gemv.cpp): one scale per 32 values
 ACT_BLOCK = 32
 
 
 def quantize_activations_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q, d) of float32 rows x [m, k] as the VNNI kernel quantizes them, both [m, k]: per block
+    """(q, d) of float32 rows x [m, k] as the int8 × int8 kernels quantize them, both [m, k]: per block
     of 32 values of a row, d = max|x| / 127 and q = round(x · 127 / max|x|) (to nearest even;
     0 for an all-zero block), so |q·d - x| <= d/2 (up to float32 rounding)."""
     m, k = x.shape
@@ -59,7 +75,7 @@ def quantize_activations_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 
 
 def int8_int8_linear_ref(x, q, scale, bias=None) -> torch.Tensor:
-    """What the VNNI kernel computes, in double precision: Σ_k (q_x·d)[r, k] · q[o, k] · scale[o]."""
+    """What the int8 × int8 kernels compute, in double precision: Σ_k (q_x·d)[r, k] · q[o, k] · scale[o]."""
     qx, d = quantize_activations_ref(x)
     y = (qx.double() * d.double()) @ q.double().T * scale.double()
     return y if bias is None else y + bias.double()
@@ -73,7 +89,7 @@ def assert_equals_the_reference(y, x, q, scale, bias=None) -> None:
 
 
 def activation_bound(x, q, scale) -> torch.Tensor:
-    """|VNNI kernel - x · dequantized(w)ᵀ| per output, from the activation quantization step:
+    """|int8 × int8 kernel - x · dequantized(w)ᵀ| per output, from the activation quantization step:
     Σ_k (d[r, k] / 2) · |q[o, k]·scale[o]|, plus 1e-5 of Σ_k |x·w| for float32 rounding (the
     int8 products are summed exactly in int32; each block's sum is scaled in float32)."""
     _, d = quantize_activations_ref(x)
@@ -148,7 +164,7 @@ def test_int8_linear_kernel_equals_the_dequantized_f_linear(rows, k, n, float_pa
 
 
 #: batch sizes that put a row in groups of every size and position (up to 6 rows on the float
-#: path, 4 on the VNNI kernel)
+#: path, 4 on the int8 × int8 kernels)
 BATCHES = [2, 3, 5, 8, 13, 17]
 
 
@@ -162,30 +178,27 @@ def _rows_alone_and_together(linear, x: torch.Tensor) -> None:
 
 
 @needs_kernels
-@pytest.mark.parametrize("vnni", [False, True])
-@pytest.mark.parametrize(("k", "n"), [(200, 131), (576, 33), (70, 7), (1, 3), (1536, 65)])
-def test_int8_linear_rows_are_batch_invariant(k, n, vnni):
-    """Both paths of the int8 linear (the float path, and the VNNI kernel where there is one):
-    K off multiples of 64, 32 and 16, N odd; and within their bounds of x · dequantized(w)ᵀ."""
+@pytest.mark.parametrize("kernel", ["float", "avx2", "avxvnni", "avx512vnni"])
+@pytest.mark.parametrize(("k", "n"), [(200, 131), (576, 33), (70, 7), (1, 3), (1536, 65), (96, 9)])
+def test_int8_linear_rows_are_batch_invariant(k, n, kernel):
+    """Every path of the int8 linear this CPU has (the float path, and each int8 × int8 kernel):
+    K off multiples of 64, 32 and 16, N odd (the 4- and 2-row weight tiles and their 1-row
+    rest); and within their bounds of x · dequantized(w)ᵀ."""
     kernels = cpu_kernels()
-    if vnni and not kernels.int8_vnni_available():
-        pytest.skip("no AVX-512 VNNI kernel in this build")
+    if kernel not in kernels.int8_kernels():
+        pytest.skip(f"this CPU cannot run the {kernel} kernel")
     g = torch.Generator().manual_seed(k * 100 + n)
     x = _rows_of_mixed_ranges(20, k, k + n)
     q, scale = quantize_per_channel(torch.randn(n, k, generator=g))
     bias = torch.randn(n, generator=g)
-    previous = kernels.int8_vnni_available() and kernels.set_int8_vnni(vnni)
-    try:
+    with _select(kernel):
         _rows_alone_and_together(lambda rows: kernels.small_linear_int8(rows, q, scale), x)
         _rows_alone_and_together(lambda rows: torch.ops.pagedserve.int8_linear(rows, q, scale, bias), x)
         y = kernels.small_linear_int8(x, q, scale)
-        if vnni:
+        if kernel != "float":
             assert_equals_the_reference(y, x, q, scale)
         else:
             torch.testing.assert_close(y, F.linear(x, dequantize(q, scale)), rtol=RTOL, atol=ATOL)
-    finally:
-        if kernels.int8_vnni_available():
-            kernels.set_int8_vnni(previous)
 
 
 def _rows_of_mixed_ranges(rows: int, k: int, seed: int) -> torch.Tensor:
@@ -204,7 +217,7 @@ def _rows_of_mixed_ranges(rows: int, k: int, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize(("rows", "k", "n"), [(1, 70, 131), (3, 577, 33), (17, 1536, 50), (2, 15, 3)])
 def test_activation_quantization_reference_within_its_bound(rows, k, n):
-    """The quantized-activation product (computed in torch, as the VNNI kernel does) against the
+    """The quantized-activation product (computed in torch, as the int8 × int8 kernels do) against the
     exact product, within the bound of the activation step; and against the float weights
     within both steps' bounds (the weight step adds Σ_k |x|·scale/2). Runs on every CPU."""
     x = _rows_of_mixed_ranges(rows, k, rows * 7 + k)
@@ -220,44 +233,85 @@ def test_activation_quantization_reference_within_its_bound(rows, k, n):
     assert bool(((got - x.double() @ w.double().T).abs() <= activation_bound(x, q, scale) + weight_step).all())
 
 
-@needs_vnni
+@needs_int8_int8
+@pytest.mark.parametrize("kernel", INT8_INT8_KERNELS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 16, 17, 40])
-@pytest.mark.parametrize(("k", "n"), [(70, 131), (577, 33), (15, 3), (1536, 50), (64, 7), (1, 5), (128, 66)])
-def test_int8_vnni_kernel_within_the_activation_quantization_bound(rows, k, n):
-    """The int8 × int8 kernel: K off multiples of 64 (its masked tail) and of 32 (a partial
-    activation block), N off multiples of 4 (its 4-row tiles), M across its 4-row groups:
-    within the activation step's bound of the double-precision product with the dequantized
-    weights, and equal, to float32 rounding, to the same quantization done in torch."""
+@pytest.mark.parametrize(("k", "n"), [(70, 131), (577, 33), (15, 3), (1536, 50), (64, 7), (1, 5), (128, 66), (32, 2)])
+def test_int8_int8_kernel_within_the_activation_quantization_bound(rows, k, n, kernel):
+    """Each int8 × int8 kernel of this CPU: K off multiples of 64 (the AVX-512 masked tail) and
+    of 32 (a partial activation block, the 256-bit kernels' copied tail), N off multiples of 4
+    and 2 (the weight tiles), M across the 4-row groups: within the activation step's bound of
+    the double-precision product with the dequantized weights, and equal, to float32
+    rounding, to the same quantization done in torch."""
     kernels = cpu_kernels()
-    assert kernels.int8_vnni_enabled()
     x = _rows_of_mixed_ranges(rows, k, rows * 1000 + k)
     g = torch.Generator().manual_seed(n)
     w, bias = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
     q, scale = quantize_per_channel(w)
     exact = x.double() @ dequantize(q, scale).double().T
     bound = activation_bound(x, q, scale)
-    for y in (kernels.small_linear_int8(x, q, scale), torch.ops.pagedserve.int8_linear(x, q, scale, None)):
-        assert y.dtype == torch.float32 and y.shape == (rows, n)
-        assert bool(((y.double() - exact).abs() <= bound).all()), float(((y.double() - exact).abs() - bound).max())
-        assert_equals_the_reference(y, x, q, scale)
-    with_bias = torch.ops.pagedserve.int8_linear(x, q, scale, bias)
+    with _select(kernel):
+        for y in (kernels.small_linear_int8(x, q, scale), torch.ops.pagedserve.int8_linear(x, q, scale, None)):
+            assert y.dtype == torch.float32 and y.shape == (rows, n)
+            assert bool(((y.double() - exact).abs() <= bound).all()), float(((y.double() - exact).abs() - bound).max())
+            assert_equals_the_reference(y, x, q, scale)
+        with_bias = torch.ops.pagedserve.int8_linear(x, q, scale, bias)
     assert bool(((with_bias.double() - exact - bias.double()).abs() <= bound + 1e-5).all())
 
 
-@needs_vnni
-def test_int8_vnni_switch():
-    """`set_int8_vnni` selects the path for later calls and returns the previous choice."""
+@needs_int8_int8
+@pytest.mark.parametrize("kernel", INT8_INT8_KERNELS)
+def test_int8_int8_kernel_takes_every_int8_weight_and_the_extreme_activations(kernel):
+    """Weights of the whole int8 range, -128 included (quantize_per_channel never writes it, but
+    the kernel takes any int8 tensor: AVX2's sign trick gives |-128| = 128 as an unsigned byte),
+    against activation blocks whose quantized values are all ±127 (the largest int16 pair sums
+    of `vpmaddubsw`, 2·128·127): the result is exact to float32 rounding."""
     kernels = cpu_kernels()
+    k, n = 96, 6
+    q = torch.full((n, k), -128, dtype=torch.int8)
+    q[1] = 127
+    q[2, ::2], q[2, 1::2] = -128, 127
+    q[3] = torch.arange(k, dtype=torch.int64).remainder(256).sub(128).to(torch.int8)  # every value once or so
+    q[4] = torch.randint(-128, 128, (k,), generator=torch.Generator().manual_seed(4), dtype=torch.int8)
+    q[5] = 0
+    scale = torch.rand(n, generator=torch.Generator().manual_seed(5)) + 0.5
+    x = torch.ones(4, k)
+    x[1] = -1.0
+    x[2, ::2] = -3.0
+    x[2, 1::2] = 3.0
+    x[3] = torch.where(q[3] < 0, -2.0, 2.0)  # against q[3], every product |q|·127 > 0
+    with _select(kernel):
+        y = kernels.small_linear_int8(x, q, scale)
+    assert_equals_the_reference(y, x, q, scale)
+    # each of these rows quantizes to ±127 exactly (d = max|x| / 127): the sums are known
+    expected = (x.double() @ q.double().T) * scale.double()
+    assert bool(((y.double() - expected).abs() <= 1e-5 * expected.abs() + 1e-6).all())
+
+
+@needs_int8_int8
+def test_int8_kernel_switch():
+    """`set_int8_kernel` selects the path for later calls and returns the previous name; the
+    best kernel of the CPU is the default, and a kernel the CPU lacks is refused."""
+    kernels = cpu_kernels()
+    best = INT8_INT8_KERNELS[0]
+    assert kernels.int8_kernel() == best and kernels.int8_kernels()[-1] == "float"
     x = _rows_of_mixed_ranges(2, 100, 1)
     q, scale = quantize_per_channel(torch.randn(9, 100))
-    assert kernels.set_int8_vnni(False) is True
+    assert kernels.set_int8_kernel("float") == best
     try:
-        assert not kernels.int8_vnni_enabled()
+        assert kernels.int8_kernel() == "float"
         torch.testing.assert_close(kernels.small_linear_int8(x, q, scale), F.linear(x, dequantize(q, scale)),
                                    rtol=RTOL, atol=ATOL)
     finally:
-        assert kernels.set_int8_vnni(True) is False
+        assert kernels.set_int8_kernel(best) == "float"
     assert_equals_the_reference(kernels.small_linear_int8(x, q, scale), x, q, scale)
+    with pytest.raises(RuntimeError, match="unknown kernel 'int4'"):
+        kernels.set_int8_kernel("int4")
+    missing = [k for k in ("avx2", "avxvnni", "avx512vnni") if k not in kernels.int8_kernels()]
+    for name in missing:
+        with pytest.raises(RuntimeError, match="this CPU cannot run"):
+            kernels.set_int8_kernel(name)
+    assert kernels.int8_kernel() == best
 
 
 @needs_kernels
@@ -275,7 +329,7 @@ def test_int8_linear_kernel_refuses_wrong_dtypes_and_shapes():
 @pytest.mark.parametrize("rows", [1, 3, 17, 100, 129])
 @pytest.mark.parametrize("with_kernels", [True, False])
 def test_int8_module_forward_equals_the_dequantized_linear(rows, with_kernels, monkeypatch):
-    """Both sides of the switch-over (the C++ kernel up to 16 rows, 128 with the VNNI kernel;
+    """Both sides of the switch-over (the C++ kernel up to 16 rows, 48 or 128 with an int8 × int8 kernel;
     dequantize + F.linear above), and the plain torch fallback when the extension is not loaded."""
     import pagedserve.plugins.int8_quantization as quantization
 
@@ -288,8 +342,8 @@ def test_int8_module_forward_equals_the_dequantized_linear(rows, with_kernels, m
     module = Int8Linear.from_linear(linear)
     x = torch.randn(rows, 67)
     expected = F.linear(x, dequantize(module.weight, module.weight_scale), linear.bias)
-    if with_kernels and rows <= quantization.int8_kernel_max_rows() and _vnni_on():
-        # the VNNI kernel's activations are int8 too: the same quantization done in torch
+    if with_kernels and rows <= quantization.int8_kernel_max_rows() and _int8_int8_on():
+        # the int8 × int8 kernel's activations are int8 too: the same quantization done in torch
         expected = int8_int8_linear_ref(x, module.weight, module.weight_scale, linear.bias.detach()).float()
     with torch.no_grad():
         torch.testing.assert_close(module(x), expected, rtol=RTOL, atol=ATOL)
@@ -313,9 +367,16 @@ def test_plugin_replaces_every_projection_and_reports_bytes(tiny_checkpoint):
 @needs_kernels
 @pytest.mark.parametrize(("model_name", "lm_head"), [("llama-gqa", False), ("qwen2", False), ("qwen3", False),
                                                      ("llama-tied", True), ("llama-mha-odd", True)])
-def test_fused_step_with_int8_weights_equals_the_eager_int8_forward(tiny_checkpoint, model_name, lm_head):
+def test_fused_step_with_int8_weights_equals_the_eager_int8_forward(tiny_checkpoint, model_name, lm_head,
+                                                                    float_path):
     """One decode step of 3 sequences: hidden states, the KV written and the logits of the
-    fused step with int8 weights against the model's forward with the same int8 modules."""
+    fused step with int8 weights against the model's forward with the same int8 modules, on
+    the float path of the int8 linear. (With an int8 × int8 kernel both sides run the same
+    kernel, but its inputs, RMSNorm's, the attention's, SiLU·mul's, differ by float rounding
+    between the C++ step and the torch forward, and an activation that close to a rounding
+    boundary of the quantizer moves by a whole step d: on qwen3 with the AVX2 kernel the
+    hidden states differed by up to 4e-3, against 1.7e-6 on the float path. The kernels
+    themselves are checked above, every kernel against the torch reference.)"""
     from pagedserve import LLM
 
     engine = LLM(str(tiny_checkpoint(model_name)), kv_cache_memory=1 << 22, quantization="int8",
@@ -340,15 +401,13 @@ def test_unknown_quantization_is_an_invalid_parameter():
     assert EngineConfig(quantization="int8").quantization == "int8"
 
 
-@needs_vnni
-def test_the_int8_kernel_takes_up_to_128_rows_with_vnni_and_16_without():
+@needs_int8_int8
+@pytest.mark.parametrize("kernel", INT8_INT8_KERNELS)
+def test_the_int8_kernel_row_bound_per_kernel(kernel):
+    """Up to 128 rows with AVX-512 VNNI, 48 with AVX-VNNI or AVX2, 16 on the float path."""
     import pagedserve.plugins.int8_quantization as quantization
 
-    kernels = cpu_kernels()
-    previous = kernels.set_int8_vnni(True)
-    try:
-        assert quantization.int8_kernel_max_rows() == 128
-        kernels.set_int8_vnni(False)
+    with _select(kernel):
+        assert quantization.int8_kernel_max_rows() == {"avx512vnni": 128, "avxvnni": 48, "avx2": 48}[kernel]
+    with _select("float"):
         assert quantization.int8_kernel_max_rows() == quantization.INT8_KERNEL_MAX_ROWS == 16
-    finally:
-        kernels.set_int8_vnni(previous)

@@ -18,8 +18,9 @@
 //    stored (`quantize_kv_row_int8`: head_dim int8 values, then the row's float32 scale, as
 //    kernels/reference_ops.quantize_kv_rows), and the attention kernel reads the rows so.
 //  - int8 weights (`--quantization int8`): `linear_rows_int8` reads each int8 weight row once.
-//    Where AVX-512 VNNI is compiled in it runs `linear_rows_int8_vnni` (cpu_int8_gemv.cpp:
-//    the activations quantized to int8 per block of 32, int8 × int8 products). Otherwise it
+//    Where the CPU has AVX2 + FMA (or AVX-VNNI, or AVX-512 VNNI) it runs `linear_rows_int8_int8`
+//    (cpu_int8_gemv.cpp, chosen at run time: the activations quantized to int8 per block of
+//    32, int8 × int8 products). With `set_int8_kernel("float")`, or on other CPUs, it
 //    widens 16 (AVX-512) or 8 (AVX2) weights to float in registers, and applies them to up
 //    to 6 (AVX-512) or 3 (AVX2) rows of x at a time with float FMAs, in the float32 path's
 //    batch-invariant order; the row's scale multiplies the sum. A quarter
@@ -43,8 +44,9 @@
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor seq_lens, double scale);
-bool int8_vnni_enabled();
-void linear_rows_int8_vnni(const float* x, int64_t m, int64_t in, const int8_t* w, const float* scale,
+bool int8_int8_enabled();
+int64_t int8_kernel_max_rows();
+void linear_rows_int8_int8(const float* x, int64_t m, int64_t in, const int8_t* w, const float* scale,
                            const float* bias, int64_t out, float* y);
 void quantize_kv_row_int8(const float* x, int64_t n, int8_t* row);  // cpu_paged_attention.cpp
 
@@ -235,11 +237,12 @@ void linear_rows(const float* x, int64_t m, int64_t in, const float* w, const fl
 }
 
 // y[r, o] = (x[r, :] · w[o, :]) · scale[o] (+ bias[o]) for r < m; w is int8 [out, in], row-major:
-// the VNNI kernel where compiled in and on (cpu_int8_gemv.cpp), else the weights widened to
-// float in registers, a quarter of the bytes of the float32 row for the same arithmetic.
+// an int8 × int8 kernel where the CPU has one and it is selected (cpu_int8_gemv.cpp), else the
+// weights widened to float in registers, a quarter of the bytes of the float32 row for the same
+// arithmetic.
 void linear_rows_int8(const float* x, int64_t m, int64_t in, const int8_t* w, const float* scale, const float* bias,
                       int64_t out, float* y) {
-  if (int8_vnni_enabled()) return linear_rows_int8_vnni(x, m, in, w, scale, bias, out, y);
+  if (int8_int8_enabled()) return linear_rows_int8_int8(x, m, in, w, scale, bias, out, y);
   linear_rows_any<int8_t>(x, m, in, w, scale, bias, out, y);
 }
 
@@ -544,10 +547,10 @@ class FusedDecoder {
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("int8_linear(Tensor x, Tensor w, Tensor scale, Tensor? bias=None) -> Tensor");
   m.def("int8_dequantize(Tensor w, Tensor scale) -> Tensor");
-  // Up to how many rows `int8_linear` beats dequantizing for float32 F.linear: the VNNI
-  // kernel (64 products an instruction) up to 128 rows (one thread, the default model's four
-  // shapes: 11.0 ms against 14.9 for float32 at M = 128), the float path only up to 16.
-  m.def("int8_kernel_max_rows() -> int", []() -> int64_t { return int8_vnni_enabled() ? 128 : 16; });
+  // Up to how many rows `int8_linear` beats dequantizing for float32 F.linear, for the kernel
+  // selected now (cpu_int8_gemv.cpp: 128 with AVX-512 VNNI, 48 with AVX2 or AVX-VNNI, 16 for
+  // the float path).
+  m.def("int8_kernel_max_rows() -> int", []() -> int64_t { return int8_kernel_max_rows(); });
 }
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
