@@ -2,6 +2,7 @@
 (pagedserve.bench.workloads), in this process.
 
     pagedserve bench offline --workload fixed|mixed|shared-prefix [--dtype D] [--compare transformers]
+    pagedserve bench offline --workload structured [--structured-batches 1,16,64]   # bench/structured.py
     pagedserve bench offline --profile [--profile-batches 1,64]   # where a decode step's time goes
 
 Prints output and total tok/s for pagedserve and, in the same run, for transformers'
@@ -147,6 +148,10 @@ def run(args: argparse.Namespace) -> int:
         from pagedserve.bench.step_profile import run_profile
 
         return run_profile(args)
+    if args.workload == "structured":  # its own runner: structured against unstructured, in rounds
+        from pagedserve.bench.structured import run as run_structured
+
+        return run_structured(args)
     if args.compare == "transformers" and not args.peers:
         args.peers = "generate,generate_batch"
     from transformers import AutoConfig

@@ -62,6 +62,13 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:
     offline.add_argument("--peers", default="", help="comma list of peers to run: generate,generate_batch")
     offline.add_argument("--json", action="store_true", help="also print the rows as JSON")
     offline.add_argument("--plot", default=None, metavar="FILE.png", help="throughput-latency curve and percentiles")
+    offline.add_argument("--structured-batches", default="1,16,64",
+                         help="--workload structured: batch sizes (requests submitted at once; comma list)")
+    offline.add_argument("--structured-rounds", type=int, default=3,
+                         help="--workload structured: rounds of structured and unstructured, alternated")
+    offline.add_argument("--structured-max-tokens", type=int, default=256, help="--workload structured: per request")
+    offline.add_argument("--num-schemas", type=int, default=0,
+                         help="--workload structured: the first N schemas of the suite (default: all)")
     offline.add_argument("--profile", action="store_true",
                          help="instead of a workload: where a decode step's time goes (bench/step_profile.py), "
                               "default engine and --enforce-eager")

@@ -38,7 +38,7 @@ Workload = tuple[list[list[int]], list[int]]  # (prompts as token ids, output le
 Conversation = list[tuple[list[int], int]]
 
 #: the workloads `bench offline` runs in-process; `serve` is `bench serve`'s, over HTTP
-OFFLINE_WORKLOADS = ("fixed", "mixed", "shared-prefix", "grounded")
+OFFLINE_WORKLOADS = ("fixed", "mixed", "shared-prefix", "grounded", "structured")  # structured: bench/structured.py
 SERVE_WORKLOADS = ("serve", "multi-turn", "many-prefixes")
 DEFAULT_VOCAB_SIZE = 49152  # SmolLM2's, the default model
 
