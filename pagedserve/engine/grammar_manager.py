@@ -45,6 +45,7 @@ class GrammarState:
     matcher: GrammarMatcher
     num_tokens: int  # the sequence's token count the matcher has consumed (prompt included)
     jump_forward: bool  # forced tokens are taken without sampling (off for a request that wants logprobs)
+    num_extra: int = 0  # tokens the latest step appended beyond one (jump-forward), the last ones
 
 
 @dataclass(slots=True)
@@ -212,12 +213,15 @@ class StructuredOutputManager:
             state = states.get(request.request_id)
             if state is None:
                 continue
+            cut = state.num_tokens - request.num_tokens
+            # the step's last tokens go first: jump-forward saved no step for those cut
+            self.counters.num_steps_saved -= min(max(cut, 0), state.num_extra)
+            state.num_extra = 0
             if request.is_finished:
                 del states[request.request_id]
                 continue
-            extra = state.num_tokens - request.num_tokens
-            if extra > 0:
-                state.matcher.rollback(extra)
+            if cut > 0:
+                state.matcher.rollback(cut)
                 state.num_tokens = request.num_tokens
 
     def cut_drafts(self, scheduled: SchedulerOutput) -> None:

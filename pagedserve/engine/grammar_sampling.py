@@ -152,6 +152,7 @@ def advance(manager: StructuredOutputManager, step: GrammarStep, entries: list[S
                 num_forced = [0] * len(entries)
             num_forced[i] = extra
         sampled[i] = tokens
+        state.num_extra = extra
         state.num_tokens = request.num_tokens + len(tokens)
         if matcher.is_finished:
             request.grammar_end = state.num_tokens
