@@ -187,8 +187,10 @@ def test_the_page_loads_with_no_error_and_no_other_origin(watched, server):
     page = watched.page
     page.click("#tab-cluster")
     expect(page.locator("#cluster-updated")).to_have_text(re.compile("^Updated"), timeout=10_000)
+    expect(page.locator("#view-playground")).to_be_hidden()
     page.keyboard.press("ArrowLeft")  # back to the playground by keyboard
-    assert page.locator("#view-playground").is_visible()
+    expect(page.locator("#view-playground")).to_be_visible()
+    expect(page.locator("#view-cluster")).to_be_hidden()
     assert watched.errors == []
     assert watched.urls and all(url.startswith(server.base_url + "/") for url in watched.urls)
 
@@ -199,7 +201,7 @@ def test_the_cluster_view_counts_workers_and_sees_one_go(watched, server, shots)
     expect(page.locator("#workers-alive")).to_have_text("2", timeout=15_000)
     assert page.locator("#worker-rows tr[data-alive='true']").count() == 2
     expect(page.locator("#chart-tps polyline").first).to_be_attached(timeout=15_000)
-    page.screenshot(path=str(shots / "console-cluster.png"))
+    page.screenshot(path=str(shots / "console-cluster.png"), full_page=True)
     victim = server.workers()[0]
     os.kill(victim.pid, signal.SIGKILL)
     expect(page.locator("#workers-alive")).to_have_text("1", timeout=15_000)

@@ -36,6 +36,10 @@ export function drawLine(svg, points, className = "line1") {
   let run = [];
   const flush = () => {
     if (run.length > 1) svg.append(el("polyline", { points: run.join(" "), class: className }));
+    else if (run.length === 1) {  // a lone point between gaps: a dot
+      const [cx, cy] = run[0].split(",");
+      svg.append(el("circle", { cx, cy, r: 2, class: className + " dot" }));
+    }
     run = [];
   };
   for (const p of points) {
