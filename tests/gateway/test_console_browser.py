@@ -18,10 +18,10 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from conftest import CHROMIUM
 
 from pagedserve.common.redis_server import EmbeddedRedis
 
-from conftest import CHROMIUM
 from serve_helpers import LiveServer
 from tiny_models import build_checkpoint
 
