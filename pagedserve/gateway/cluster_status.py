@@ -60,7 +60,7 @@ class PrefixCacheStatus(msgspec.Struct, kw_only=True):
     blocks: int  # distinct block hashes its index holds
 
 
-class HistoryPoint(msgspec.Struct, kw_only=True, array_like=False):
+class HistoryPoint(msgspec.Struct, kw_only=True):
     """One sample of the cluster, for the charts."""
 
     time: float  # wall-clock seconds (time.time())

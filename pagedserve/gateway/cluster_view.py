@@ -24,7 +24,9 @@ from dataclasses import dataclass
 
 import httpx
 from litestar import Request, get
+from redis.exceptions import RedisError
 
+from pagedserve.common.errors import ServiceUnavailableError
 from pagedserve.common.queue_protocol import WorkerInfo
 from pagedserve.common.worker_activity import WorkerActivity
 from pagedserve.gateway.cluster_status import (
@@ -187,4 +189,7 @@ def gateway_counts(state: GatewayState) -> GatewayCounts:
      guards=[require_api_key])
 async def cluster_status(request: Request) -> ClusterStatus:
     view: ClusterView = request.app.state.cluster_view
-    return await view.status()
+    try:
+        return await view.status()
+    except RedisError as exc:
+        raise ServiceUnavailableError(f"the queue is unreachable: {exc}") from None

@@ -191,3 +191,14 @@ def test_page_has_no_inline_script_and_no_other_origin():
         text = path.read_text()
         assert "http://" not in text.replace('"http://www.w3.org/2000/svg"', "") and "https://" not in text, path.name
         assert "innerHTML" not in text and "insertAdjacentHTML" not in text and "eval(" not in text, path.name
+
+
+def test_redis_away_is_a_503(tokenizer_dir):
+    from serve_helpers import free_port
+
+    app = create_app(ServeConfig(), f"redis://127.0.0.1:{free_port()}/0", PromptTokenizer(tokenizer_dir), ("tiny",),
+                     64, {})
+    with TestClient(app) as http:
+        answer = http.get("/v1/cluster")
+    assert answer.status_code == 503
+    assert answer.json()["error"]["code"] == "service_unavailable"

@@ -8,6 +8,7 @@ README shows); by default they go to a temporary folder."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -147,6 +148,16 @@ def test_a_streamed_reply_equals_the_api_greedy_answer(watched, server, shots):
     page.click("#copy-curl")
     assert "/v1/chat/completions" in page.locator("#snippet").text_content()
     page.screenshot(path=str(shots / "console-playground.png"))
+    page.click("#copy-python")  # valid Python, asking exactly what the page asked
+    snippet = page.locator("#snippet").text_content()
+    call = next(n for n in ast.walk(ast.parse(snippet)) if isinstance(n, ast.Call) and ast.unparse(n.func) == "json.loads")
+    assert json.loads(call.args[0].value) == {
+        "model": model, "messages": [{"role": "user", "content": PROMPT}], "stream": True,
+        "stream_options": {"include_usage": True}, "temperature": 0, "top_p": 1, "max_tokens": 24}
+    page.click("#regenerate")  # the same request again: greedy, so the same reply, in place of the first
+    again = _last_reply(page)
+    assert again.locator(".content").text_content() == expected.choices[0].message.content
+    assert page.locator("#transcript li.assistant").count() == 1
 
 
 def test_stop_ends_the_stream_and_nothing_keeps_running(watched, server):
@@ -193,6 +204,43 @@ def test_the_page_loads_with_no_error_and_no_other_origin(watched, server):
     expect(page.locator("#view-cluster")).to_be_hidden()
     assert watched.errors == []
     assert watched.urls and all(url.startswith(server.base_url + "/") for url in watched.urls)
+
+
+#: (foreground, background) contrast of every visible text, as WCAG computes it; the
+#: background is the first opaque one up the tree
+CONTRAST = """() => {
+  const rgb = (c) => (c.match(/[\\d.]+/g) || []).map(Number);
+  const lum = ([r, g, b]) => [r, g, b].map((v) => { v /= 255; return v <= 0.03928 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4; })
+    .reduce((sum, v, i) => sum + v * [0.2126, 0.7152, 0.0722][i], 0);
+  const background = (el) => { for (; el; el = el.parentElement) { const c = rgb(getComputedStyle(el).backgroundColor);
+    if (c.length === 3 || c[3] > 0) return c.slice(0, 3); } return [255, 255, 255]; };
+  const worst = [];
+  for (const el of document.querySelectorAll("body *")) {
+    const own = [...el.childNodes].some((n) => n.nodeType === 3 && n.textContent.trim());
+    if (!own || !el.checkVisibility() || el.closest("button:disabled, svg")) continue;
+    const a = lum(rgb(getComputedStyle(el).color)), b = lum(background(el));
+    const ratio = (Math.max(a, b) + 0.05) / (Math.min(a, b) + 0.05);
+    if (ratio < 4.5) worst.push(el.tagName + "#" + el.id + "." + el.className + " " + ratio.toFixed(2));
+  }
+  return worst;
+}"""
+
+
+@pytest.mark.parametrize("scheme", ["light", "dark"])
+def test_text_contrast_reads_in_light_and_dark_mode(watched, scheme):
+    page = watched.page
+    page.emulate_media(color_scheme=scheme)
+    _send(page, "Hi")
+    _last_reply(page)
+    page.click("#key-button")  # the key panel too
+    assert page.evaluate(CONTRAST) == []
+    page.click("#tab-cluster")
+    expect(page.locator("#cluster-updated")).to_have_text(re.compile("^Updated"), timeout=10_000)
+    assert page.evaluate(CONTRAST) == []
+    # the check sees a faint text when there is one
+    page.evaluate("() => { const p = document.createElement('p'); p.id = 'faint'; p.textContent = 'faint';"
+                  " p.style.color = getComputedStyle(document.body).backgroundColor; document.body.append(p); }")
+    assert [line.split(" ")[0] for line in page.evaluate(CONTRAST)] == ["P#faint."]
 
 
 def test_the_cluster_view_counts_workers_and_sees_one_go(watched, server, shots):
