@@ -56,6 +56,7 @@ class _Seen:
     seen_at: float  # monotonic, of the latest heartbeat read
     sampled_at: float  # monotonic, of the sample its rate started from
     sampled: WorkerActivity  # its sums at that sample
+    charted: WorkerActivity  # its sums at the latest chart point
     tokens_per_second: float = 0.0
 
 
@@ -89,29 +90,36 @@ class ClusterView:
         async with self._lock:
             infos, self.queued = await self.state.queue.routing_view()
             now = time.monotonic()
-            tokens, first_tokens, ttft = 0.0, 0, 0.0
             for info in infos:
                 seen = self.workers.get(info.worker_id)
                 if seen is None:
-                    self.workers[info.worker_id] = _Seen(info, now, now, info.activity)
+                    self.workers[info.worker_id] = _Seen(info, now, now, info.activity, info.activity)
                     continue
                 if now - seen.sampled_at >= _MIN_INTERVAL:
-                    before, after = seen.sampled, info.activity
-                    seen.tokens_per_second = (after.generated_tokens - before.generated_tokens) / (now - seen.sampled_at)
-                    first_tokens += after.first_tokens - before.first_tokens
-                    ttft += after.ttft_seconds - before.ttft_seconds
-                    seen.sampled_at, seen.sampled = now, after
+                    gained = info.activity.generated_tokens - seen.sampled.generated_tokens
+                    seen.tokens_per_second = gained / (now - seen.sampled_at)
+                    seen.sampled_at, seen.sampled = now, info.activity
                 seen.info, seen.seen_at = info, now
-                tokens += seen.tokens_per_second
             for worker_id in [w for w, s in self.workers.items() if now - s.seen_at > _GONE_KEPT]:
                 del self.workers[worker_id]
-            if history:
-                depth, _ = await self.state.queue.queued_totals()
-                self.history.append(HistoryPoint(
-                    time=time.time(), tokens_per_second=round(tokens, 3),
-                    ttft_seconds=round(ttft / first_tokens, 4) if first_tokens else None, queue_depth=depth,
-                    running=sum(i.num_running for i in infos)))
             self._live = {i.worker_id for i in infos}
+            if history:
+                await self._chart_point(infos)
+
+    async def _chart_point(self, infos: list[WorkerInfo]) -> None:
+        """One history point: the live workers' tokens/s, and the mean TTFT of the first
+        tokens since the previous point (each worker's sums against those it had then)."""
+        first_tokens, ttft = 0, 0.0
+        for info in infos:
+            seen = self.workers[info.worker_id]
+            first_tokens += info.activity.first_tokens - seen.charted.first_tokens
+            ttft += info.activity.ttft_seconds - seen.charted.ttft_seconds
+            seen.charted = info.activity
+        depth, _ = await self.state.queue.queued_totals()
+        self.history.append(HistoryPoint(
+            time=time.time(), tokens_per_second=round(sum(self.workers[i.worker_id].tokens_per_second for i in infos), 3),
+            ttft_seconds=round(ttft / first_tokens, 4) if first_tokens else None, queue_depth=depth,
+            running=sum(i.num_running for i in infos)))
 
     async def _sample_prefix_cache(self) -> None:
         url = self.state.config.prefix_cache_url

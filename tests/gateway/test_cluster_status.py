@@ -202,3 +202,23 @@ def test_redis_away_is_a_503(tokenizer_dir):
         answer = http.get("/v1/cluster")
     assert answer.status_code == 503
     assert answer.json()["error"]["code"] == "service_unavailable"
+
+
+def test_rates_and_chart_points_follow_the_heartbeats(redis_server, redis_client, tokenizer_dir):
+    """Two heartbeats 1.2 s apart: the worker's tokens/s is their difference over the time
+    between the reads, and the first tokens between them show in one chart point as their
+    mean TTFT, however often the page asked in between."""
+    _announce(redis_client, "w-a", activity=WorkerActivity(generated_tokens=100))
+    app = create_app(ServeConfig(), redis_server.url, PromptTokenizer(tokenizer_dir), ("tiny",), 64, {})
+    with TestClient(app) as http:
+        assert http.get("/v1/cluster").json()["workers"][0]["tokens_per_second"] == 0.0  # one read: no rate yet
+        time.sleep(1.2)
+        _announce(redis_client, "w-a", activity=WorkerActivity(generated_tokens=340, first_tokens=4, ttft_seconds=2.0))
+        first = http.get("/v1/cluster").json()
+        for _ in range(5):  # the page polling meanwhile
+            http.get("/v1/cluster")
+        time.sleep(2.5)  # a chart point of the background sampler
+        last = http.get("/v1/cluster").json()
+    assert 240 / 3.0 < first["workers"][0]["tokens_per_second"] <= 240 / 1.2
+    assert [p["ttft_seconds"] for p in last["history"] if p["ttft_seconds"] is not None] == [0.5]
+    assert all(p["queue_depth"] == 0 and p["running"] == 0 for p in last["history"])
