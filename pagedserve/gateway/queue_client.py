@@ -118,7 +118,8 @@ class QueueClient:
         num_tokens = len(request.prompt_token_ids)
         args: list[int | float | bytes | str] = [
             config.max_queued_requests, config.max_queued_tokens, num_tokens, encode(request),
-            max_requests, max_queued_tokens, self.marker_ttl, worker_id or "", cached_tokens]
+            max_requests, max_queued_tokens, self.marker_ttl, worker_id or "", cached_tokens,
+            1 if config.queue_without_workers else 0]
         tenant_stream = q.requests_key(request.tenant)
         routed = q.routed_key(worker_id, request.tenant) if worker_id else tenant_stream
         keys = [tenant_stream, q.QUEUED, q.QUEUED_TOKENS, q.WORKERS, q.admitted_key(request.request_id),
