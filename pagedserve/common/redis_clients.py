@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 import redis
@@ -138,7 +138,7 @@ class _SentinelRedis(redis.Redis):
 
     def close(self) -> None:
         super().close()
-        self.connection_pool.sentinel_manager.close()
+        cast(Any, self.connection_pool).sentinel_manager.close()  # a SentinelConnectionPool's
 
 
 class _AsyncSentinelRedis(aioredis.Redis):
@@ -146,7 +146,7 @@ class _AsyncSentinelRedis(aioredis.Redis):
 
     async def aclose(self, close_connection_pool: bool | None = None) -> None:
         await super().aclose(close_connection_pool)
-        await self.connection_pool.sentinel_manager.aclose()
+        await cast(Any, self.connection_pool).sentinel_manager.aclose()
 
 
 class _BlockingSentinelConnectionPool(aiosentinel.SentinelConnectionPool, aioredis.BlockingConnectionPool):
