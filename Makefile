@@ -25,6 +25,11 @@ $(STAMP): pyproject.toml
 	test -x /usr/bin/chromium || { command -v apt-get >/dev/null 2>&1 && \
 		(apt-get update -qq && apt-get install -y -qq chromium) >/dev/null 2>&1; } || \
 		echo "warning: no /usr/bin/chromium; the browser tests will skip"
+	# the Sentinel failover tests (tests/common/test_redis_sentinel.py) run redis-sentinel
+	# (else `redis-server --sentinel`)
+	command -v redis-sentinel >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 && \
+		(apt-get update -qq && apt-get install -y -qq redis-sentinel) >/dev/null 2>&1; } || \
+		echo "warning: no redis-sentinel on PATH; the Sentinel tests use redis-server --sentinel"
 	touch $(STAMP)
 
 # The OpenAI server on the defaults: its own Redis, the default model, CPU without a GPU.

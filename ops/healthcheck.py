@@ -33,8 +33,9 @@ def worker_beats() -> bool:
     import redis
 
     from pagedserve.common.queue_protocol import WORKERS
+    from pagedserve.common.redis_clients import sync_client  # redis:// and redis+sentinel:// alike
 
-    client = redis.Redis.from_url(os.environ["PAGEDSERVE_REDIS_URL"], socket_timeout=TIMEOUT)
+    client = sync_client(os.environ["PAGEDSERVE_REDIS_URL"], socket_timeout=TIMEOUT)
     try:
         alive = client.zrangebyscore(WORKERS, time.time(), "+inf")
     except redis.RedisError:

@@ -11,9 +11,9 @@ import threading
 import time
 
 import httpx
-import redis
 
 from pagedserve.common import queue_protocol as q
+from pagedserve.common import redis_clients
 from pagedserve.common.queue_protocol import (
     Chunk,
     QueuedRequest,
@@ -54,7 +54,8 @@ class LiveServer:
         args = [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", "--model", self.model, "--port", str(self.port),
                 *(["--redis-url", redis_url] if redis_url else []), "--log-level", "warning", *flags]
         self.process = subprocess.Popen(args, env=env, start_new_session=new_session, stdout=log, stderr=log)
-        self.redis = redis.Redis.from_url(redis_url) if redis_url else None
+        # redis:// or redis+sentinel:// (passwords from the URL or the environment), as the server reads it
+        self.redis = redis_clients.sync_client(redis_url) if redis_url else None
 
     def wait_ready(self, timeout: float = 300.0) -> LiveServer:
         deadline = time.monotonic() + timeout

@@ -18,7 +18,8 @@ from __future__ import annotations
 #: tenants set, tenant tokens hash, routed stream (the tenant stream when not routed),
 #: tenant routed hash, worker tokens hash, worker queued hash. ARGV: max_queued, max_queued_tokens, prompt
 #: tokens, message, tenant max in flight, tenant max queued tokens, marker ttl (seconds),
-#: the worker routed to ("": none), the prompt tokens that worker holds cached (0: none).
+#: the worker routed to ("": none), the prompt tokens that worker holds cached (0: none),
+#: "1" to admit while no worker is live (autoscaling from zero; absent or "0": refuse).
 #: Returns {1, entry id, stream written}, {1, "again"} (a retry of an admitted request:
 #: nothing more is queued), or {0, reason} with reason one of "no_worker", "full",
 #: "tenant_requests", "tenant_tokens". A request routed to a worker that is no longer live
@@ -33,7 +34,7 @@ ADMIT = """
 if redis.call('EXISTS', KEYS[5]) == 1 then return {1, 'again'} end
 local now = redis.call('TIME')
 local t = tonumber(now[1]) + tonumber(now[2]) / 1e6
-if redis.call('ZCOUNT', KEYS[4], t, '+inf') == 0 then
+if ARGV[10] ~= '1' and redis.call('ZCOUNT', KEYS[4], t, '+inf') == 0 then
   return {0, 'no_worker'}
 end
 local queued = tonumber(redis.call('GET', KEYS[2]) or '0')

@@ -53,15 +53,15 @@ def _free_port() -> int:
 
 
 def redact_url(url: str) -> str:
-    """The URL with its password (in the user part or a `password=` query field) replaced by
-    `***`, for logs and messages."""
+    """The URL with its password (in the user part or a `password=` or `sentinel_password=`
+    query field) replaced by `***`, for logs and messages."""
     try:
         parts = urlsplit(url)
         netloc = parts.netloc
         if parts.password is not None:
             userinfo, _, hostport = netloc.rpartition("@")
             netloc = f"{userinfo.split(':', 1)[0]}:***@{hostport}"
-        query = "&".join(f"{name}=***" if name.lower() == "password" else f"{name}={value}"
+        query = "&".join(f"{name}=***" if name.lower() in ("password", "sentinel_password") else f"{name}={value}"
                          for name, _, value in (pair.partition("=") for pair in parts.query.split("&") if pair))
         return urlunsplit(parts._replace(netloc=netloc, query=query))
     except ValueError:

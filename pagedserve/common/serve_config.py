@@ -42,6 +42,9 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     worker_timeout: float = 10.0
     max_attempts: int = 3  # deliveries of one request before it fails (its workers kept dying)
     drain_timeout: float = 30.0  # on SIGTERM: seconds running requests get to finish
+    #: admit requests while no worker is live: they wait in the queue (up to request_timeout)
+    #: for a worker an autoscaler starts, and /ready needs Redis only. Off: 503 `no_worker`
+    queue_without_workers: bool = False
     num_workers: int | None = None  # `serve`: None: one per GPU, or one on CPU
     log_level: str = "info"
     # Per tenant (an API key's tenant; every caller is one tenant without keys). The keys

@@ -12,9 +12,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-import redis
-
 from pagedserve.common import queue_protocol as q
+from pagedserve.common import redis_clients
 from pagedserve.common.engine_config import EngineConfig
 from pagedserve.common.serve_config import ServeConfig
 from pagedserve.common.worker_activity import RESTARTS_ENV
@@ -199,7 +198,7 @@ class WorkerSupervisor:
 def wait_for_workers(redis_url: str, supervisor: WorkerSupervisor, stops: StopSignals, timeout: float = 600.0) -> bool:
     """Until every worker beats (True), or a stop signal came first (False); fails if a
     worker exits while loading."""
-    client = redis.Redis.from_url(redis_url)
+    client = redis_clients.sync_client(redis_url)
     deadline = time.monotonic() + timeout
     try:
         while time.monotonic() < deadline:

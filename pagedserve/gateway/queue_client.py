@@ -10,7 +10,6 @@ from collections.abc import AsyncIterator, Callable
 from typing import cast
 
 import msgspec
-import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -19,6 +18,7 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from pagedserve.common import queue_protocol as q
+from pagedserve.common import redis_clients
 from pagedserve.common.errors import QueueFullError, ServiceUnavailableError, TenantLimitError
 from pagedserve.common.queue_protocol import (
     CompletionDelta,
@@ -57,11 +57,12 @@ class QueueClient:
         # Every streaming request holds one connection while it blocks on its output. A pooled
         # connection that a Redis restart closed fails once and is retried on a new one
         # (admission is idempotent, so a retried XADD never queues a request twice).
-        pool = aioredis.BlockingConnectionPool.from_url(
+        # With a Sentinel URL a retried connection asks the Sentinels for the primary again,
+        # so after a failover the retry reaches the promoted replica (common/redis_clients.py).
+        self.redis = redis_clients.async_client(
             redis_url, max_connections=4096, timeout=10, socket_connect_timeout=2,
             retry=Retry(ExponentialBackoff(cap=0.5, base=0.02), 3),
             retry_on_error=[RedisConnectionError, RedisTimeoutError])
-        self.redis = aioredis.Redis(connection_pool=pool)
         self._admit = self.redis.register_script(q.ADMIT)
         self._reconcile = self.redis.register_script(q.RECONCILE)
 
@@ -122,7 +123,8 @@ class QueueClient:
         num_tokens = len(request.prompt_token_ids)
         args: list[int | float | bytes | str] = [
             config.max_queued_requests, config.max_queued_tokens, num_tokens, encode(request),
-            max_requests, max_queued_tokens, self.marker_ttl, worker_id or "", cached_tokens]
+            max_requests, max_queued_tokens, self.marker_ttl, worker_id or "", cached_tokens,
+            1 if config.queue_without_workers else 0]
         tenant_stream = q.requests_key(request.tenant)
         routed = q.routed_key(worker_id, request.tenant) if worker_id else tenant_stream
         keys = [tenant_stream, q.QUEUED, q.QUEUED_TOKENS, q.WORKERS, q.admitted_key(request.request_id),

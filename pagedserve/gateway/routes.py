@@ -138,7 +138,7 @@ async def health() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@get("/ready", summary="Redis answers and at least one worker beats")
+@get("/ready", summary="Redis answers and at least one worker beats (Redis alone with --queue-without-workers)")
 async def ready(request: Request) -> Response:
     state = _state(request)
     if state.drain_deadline is not None:
@@ -149,7 +149,7 @@ async def ready(request: Request) -> Response:
         workers = await state.queue.live_workers()
     except Exception:  # noqa: BLE001 - any Redis trouble means not ready
         workers = []
-    if not workers:
+    if not workers and not state.config.queue_without_workers:
         return error_response(503, "no live worker", "server_error", "no_worker")
     return Response(content={"status": "ready", "workers": len(workers)})
 

@@ -26,10 +26,10 @@ from collections.abc import Sequence
 from typing import cast
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
-from redis import Redis
 from redis.exceptions import RedisError
 
 from pagedserve.common import queue_protocol as q
+from pagedserve.common import redis_clients
 from pagedserve.common.errors import InvalidParameterError
 from pagedserve.prefix_cache.events import MalformedBatch, decode_batch
 from pagedserve.prefix_cache.http_app import HASH_BYTES, MAX_LOOKUP_HASHES, create_app
@@ -50,7 +50,7 @@ class PrefixCacheService:
             raise InvalidParameterError("max_body_bytes", f"must be at least one hash ({HASH_BYTES} bytes)")
         if keep_alive_timeout < 1:
             raise InvalidParameterError("keep_alive_timeout", "must be at least 1 second")
-        self.redis = Redis.from_url(redis_url, socket_timeout=5)
+        self.redis = redis_clients.sync_client(redis_url, socket_timeout=5)
         self.index = PrefixIndex()
         self.lock = threading.Lock()  # the consumer writes the index, the HTTP thread reads it
         self.liveness_interval = liveness_interval

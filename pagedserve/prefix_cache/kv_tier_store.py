@@ -27,6 +27,8 @@ import msgspec
 from redis import Redis
 from redis.exceptions import RedisError
 
+from pagedserve.common import redis_clients
+
 logger = logging.getLogger(__name__)
 
 _PREFIX = "pagedserve:kvtier"
@@ -145,7 +147,7 @@ class KVTierStore:
     @classmethod
     def connect(cls, url: str, layout: KVLayout, budget_bytes: int) -> KVTierStore:
         """The store at a Redis URL (the engine knows the URL, never the Redis client)."""
-        return cls(Redis.from_url(url), layout, budget_bytes)
+        return cls(redis_clients.sync_client(url), layout, budget_bytes)
 
     def key(self, block_hash: bytes) -> str:
         return self._data_prefix + block_hash.hex()

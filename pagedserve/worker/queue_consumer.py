@@ -23,9 +23,8 @@ import socket
 import threading
 import uuid
 
-import redis
-
 from pagedserve.common import queue_protocol as q
+from pagedserve.common import redis_clients
 from pagedserve.common.serve_config import ServeConfig
 from pagedserve.worker.cancellations import Cancellations
 from pagedserve.worker.heartbeat import Heartbeat
@@ -42,7 +41,7 @@ class QueueConsumer:
     def __init__(self, redis_url: str, config: ServeConfig, worker_id: str | None = None):
         self.config = config
         self.worker_id = q.check_worker_id(worker_id or new_worker_id())
-        self.redis = redis.Redis.from_url(redis_url, socket_connect_timeout=2, health_check_interval=10)
+        self.redis = redis_clients.sync_client(redis_url, socket_connect_timeout=2, health_check_interval=10)
         self._stop = threading.Event()
         self.outbox = Outbox(self.redis, self.worker_id)
         self.reader = RequestReader(self.redis, config, self.worker_id, self.outbox, self._stop)
