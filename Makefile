@@ -21,6 +21,10 @@ $(STAMP): pyproject.toml
 	command -v redis-server >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 && \
 		(apt-get update -qq && apt-get install -y -qq redis-server) >/dev/null 2>&1; } || \
 		echo "warning: no redis-server on PATH; install Redis or set PAGEDSERVE_REDIS_SERVER"
+	# The console's browser tests (marker `browser`) drive Debian's chromium; without it they skip.
+	test -x /usr/bin/chromium || { command -v apt-get >/dev/null 2>&1 && \
+		(apt-get update -qq && apt-get install -y -qq chromium) >/dev/null 2>&1; } || \
+		echo "warning: no /usr/bin/chromium; the browser tests will skip"
 	# the Sentinel failover tests (tests/common/test_redis_sentinel.py) run redis-sentinel
 	# (else `redis-server --sentinel`)
 	command -v redis-sentinel >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 && \

@@ -65,8 +65,22 @@ def _gpu_missing() -> str | None:
     return None if torch.cuda.is_available() else "needs a CUDA GPU (torch.cuda.is_available() is False)"
 
 
+#: the Chromium the browser tests drive: Debian's package (never a browser Playwright downloads)
+CHROMIUM = os.environ.get("PAGEDSERVE_CHROMIUM", "/usr/bin/chromium")
+
+
+def _browser_missing() -> str | None:
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return "needs the playwright Python package (the dev extra)"
+    if not os.access(CHROMIUM, os.X_OK):
+        return f"needs Chromium at {CHROMIUM} (apt-get install chromium; or set PAGEDSERVE_CHROMIUM)"
+    return None
+
+
 #: the markers whose tests skip where this machine lacks something: marker → why (None: it has it)
-SKIPPING_MARKERS = {"gpu": _gpu_missing, "docker": _docker_engine_missing}
+SKIPPING_MARKERS = {"gpu": _gpu_missing, "docker": _docker_engine_missing, "browser": _browser_missing}
 
 
 def pytest_collection_modifyitems(config, items):

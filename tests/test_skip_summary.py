@@ -33,8 +33,9 @@ def test_each_marker_that_skips_says_how_many_of_its_tests_and_why():
     ]
 
 
-def test_the_docker_and_gpu_markers_always_have_a_line_and_others_only_when_they_skip():
+def test_the_docker_gpu_and_browser_markers_always_have_a_line_and_others_only_when_they_skip():
     conftest = _conftest()
-    assert set(conftest.SKIPPING_MARKERS) == {"gpu", "docker"}
-    assert conftest.skip_summary({"a.py::t1": {"docker"}, "b.py::t2": {"slow"}}, {}) == ["docker: 0 of 1 skipped"]
+    assert set(conftest.SKIPPING_MARKERS) == {"gpu", "docker", "browser"}
+    assert conftest.skip_summary({"a.py::t1": {"docker"}, "b.py::t2": {"slow"}, "c.py::t3": {"browser"}}, {}) == [
+        "browser: 0 of 1 skipped", "docker: 0 of 1 skipped"]
     assert conftest.skip_summary({}, {}) == []

@@ -52,6 +52,7 @@ from pagedserve.common.queue_scripts import RECONCILE as RECONCILE
 from pagedserve.common.queue_scripts import STEAL as STEAL
 from pagedserve.common.queue_scripts import TAKEN as TAKEN
 from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.common.worker_activity import WorkerActivity
 
 # -- keys ---------------------------------------------------------------------------------
 REQUESTS = "pagedserve:requests"  # the stream of callers without a tenant
@@ -209,6 +210,7 @@ class WorkerInfo(msgspec.Struct, kw_only=True):
     block_size: int = 0  # tokens per KV block
     kv_model_id: str = ""  # the model id its block hashes include (EngineConfig.model)
     kv_dtype: str = ""  # the quantized KV dtype its block hashes include (int8, fp8_e4m3); "": none (float cache)
+    activity: WorkerActivity = msgspec.field(default_factory=WorkerActivity)  # running sums since it started (the cluster view's rates)
 
 
 class CompletionLog(msgspec.Struct, kw_only=True):

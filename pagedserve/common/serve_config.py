@@ -57,6 +57,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     max_tools: int = 128  # entries of a chat request's `tools`
     # how a model writes tool calls (`tool_choice: auto`): an entry point in pagedserve.tool_parsers
     tool_call_parser: str = "hermes"
+    console: bool = True  # the browser console at the gateway's `/` (--no-console: no page; /v1/cluster stays)
     tokenizer_threads: int = 4  # threads that tokenize and render chat templates, off the event loop
     max_connections: int = 2048  # open HTTP connections and running requests; a request beyond them gets 503
     keep_alive_timeout: int = 5  # seconds an idle keep-alive connection stays open

@@ -79,6 +79,8 @@ def serve(config: ServeConfig, engine: EngineConfig) -> int:
         supervisor.watch()
         print(f"pagedserve: serving {engine.model} on http://{config.host}:{config.port}/v1 "
               f"({len(supervisor.slots)} worker(s), redis {redact_url(redis_url)})", flush=True)
+        if config.console:
+            print(f"pagedserve: the console is at http://{config.host}:{config.port}/", flush=True)
         interrupt_startup(stops)
         if not stops.received:  # one that came before the line above is only recorded
             with contextlib.suppress(KeyboardInterrupt):  # a signal before uvicorn took over

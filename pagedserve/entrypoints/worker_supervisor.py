@@ -16,6 +16,7 @@ from pagedserve.common import queue_protocol as q
 from pagedserve.common import redis_clients
 from pagedserve.common.engine_config import EngineConfig
 from pagedserve.common.serve_config import ServeConfig
+from pagedserve.common.worker_activity import RESTARTS_ENV
 from pagedserve.entrypoints.process_signals import OWN_PROCESS_GROUP, StopSignals, exit_reason
 from pagedserve.entrypoints.worker_plan import worker_plan
 
@@ -64,6 +65,7 @@ class _Slot:
     process: subprocess.Popen | None = None  # None while it waits for a restart, or stays down
     restart_at: float | None = None  # monotonic time of a pending restart
     down: bool = False  # past the restart limit: it stays down
+    restarts: int = 0  # processes started after the first (the worker announces it: the console shows it)
 
 
 class WorkerSupervisor:
@@ -137,6 +139,7 @@ class WorkerSupervisor:
                     self._exited(slot, f"pid {pid}, {exit_reason(rc)}", now)
             if slot.restart_at is not None and now >= slot.restart_at and not self._stopping:
                 slot.restart_at = None
+                slot.restarts += 1
                 try:
                     process = self._spawn(slot)
                 except OSError as exc:
@@ -161,7 +164,8 @@ class WorkerSupervisor:
     # -- processes and signals -----------------------------------------------------------------
     def _spawn(self, slot: _Slot) -> subprocess.Popen:
         # A process group of its own: only the launcher signals it (see process_signals).
-        slot.process = subprocess.Popen(self.argv, env=slot.env, **OWN_PROCESS_GROUP)
+        env = {**slot.env, RESTARTS_ENV: str(slot.restarts)}
+        slot.process = subprocess.Popen(self.argv, env=env, **OWN_PROCESS_GROUP)
         return slot.process
 
     def _signal_all(self, signum: int) -> None:

@@ -30,6 +30,8 @@ from pagedserve.common.http_errors import (
 from pagedserve.common.sampling_params import MAX_N
 from pagedserve.common.serve_config import ServeConfig
 from pagedserve.gateway.auth import TenantLimits
+from pagedserve.gateway.cluster_view import ClusterView, cluster_status
+from pagedserve.gateway.console import CONSOLE_HANDLERS
 from pagedserve.gateway.error_handlers import validation_error_handler
 from pagedserve.gateway.grammar_check import GrammarChecker
 from pagedserve.gateway.http_metrics import count_answers, metrics_endpoint
@@ -99,8 +101,11 @@ def create_app(config: ServeConfig, redis_url: str, tokenizer: PromptTokenizer, 
         prefix_lookup if prefix_lookup is not None else prefix_lookup_from_config(config),
         state.metrics, offload=state.run_blocking)
 
+    cluster_view = ClusterView(state)  # GET /v1/cluster, and the console's cluster view
+
     async def startup(app: Litestar) -> None:
         state.spawn(_watch_workers(state))
+        state.spawn(cluster_view.run())
 
     async def shutdown(app: Litestar) -> None:
         for task in list(state.background):
@@ -111,10 +116,11 @@ def create_app(config: ServeConfig, redis_url: str, tokenizer: PromptTokenizer, 
         await anyio.to_thread.run_sync(state.tracing.shutdown)  # the last spans leave (bounded)
 
     return Litestar(
-        route_handlers=[*ROUTE_HANDLERS, metrics_endpoint],
+        route_handlers=[*ROUTE_HANDLERS, metrics_endpoint, cluster_status,
+                        *(CONSOLE_HANDLERS if config.console else [])],
         middleware=[server_span_middleware(tracing)] if tracing.enabled else [],
         before_send=[count_answers(state.metrics)],
-        state=State({"gateway": state}),
+        state=State({"gateway": state, "cluster_view": cluster_view}),
         on_startup=[startup],
         on_shutdown=[shutdown],
         exception_handlers={

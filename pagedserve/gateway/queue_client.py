@@ -104,6 +104,11 @@ class QueueClient:
         queued = {k.decode(): (int(v), int(tokens.get(k, 0))) for k, v in requests.items()}
         return workers, queued
 
+    async def queued_totals(self) -> tuple[int, int]:
+        """The queue's counters as they stand: requests and prompt tokens admitted and not yet taken."""
+        requests, tokens = cast("list[bytes | None]", await self.redis.mget([q.QUEUED, q.QUEUED_TOKENS]))
+        return int(requests or 0), int(tokens or 0)
+
     async def submit(self, request: QueuedRequest, max_requests: int | None = None,
                      max_queued_tokens: int | None = None, worker_id: str | None = None,
                      cached_tokens: int = 0) -> str:

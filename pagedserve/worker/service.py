@@ -36,6 +36,7 @@ from pagedserve.worker.intake import Intake
 from pagedserve.worker.queue_consumer import QueueConsumer
 from pagedserve.worker.request_tracing import request_traces
 from pagedserve.worker.running import RunningRequests
+from pagedserve.worker.totals import WorkerTotals
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,7 @@ class WorkerService:
         self.running = RunningRequests(engine, self.queue.outbox, self.queue.heartbeat, self.traces, config)
         self.intake = Intake(engine, self.queue, self.running, self.traces, config, metrics)
         self.drain = Drain(self.worker_id, config.drain_timeout, self.running)  # called: drains (SIGTERM/SIGINT)
+        self.totals = WorkerTotals(engine.config.block_size)  # running sums its heartbeat announces
         self.kv_events: KVEventPublisher | None = None  # the cluster index's feed (--kv-events)
         if config.kv_events:
             self.kv_events = KVEventPublisher(self.queue.redis, self.worker_id, engine.kv_manager.pool,
@@ -135,6 +137,7 @@ class WorkerService:
         ended) to the telemetry."""
         finished = self.engine.pop_finished()
         self.traces.observe(step, finished, self.running)
+        self.totals.observe(step, finished)
         if self.metrics is not None:
             self._record_metrics(step, finished)
 
@@ -159,6 +162,7 @@ class WorkerService:
             num_cancelled=self.running.num_cancelled, num_taken_over=self.running.num_taken_over,
             num_waiting=self.engine.scheduler.num_waiting, num_stolen=self.queue.reader.num_stolen,
             block_size=kv.block_size, kv_model_id=kv.model_id, kv_dtype=kv.kv_dtype,
+            activity=self.totals.snapshot(),
         )
 
 

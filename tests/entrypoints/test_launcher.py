@@ -210,6 +210,7 @@ def test_a_killed_worker_is_restarted_until_the_limit(model_dir, tmp_path):
             [second] = server.wait_for(lambda: [w for w in server.workers() if w.pid != first.pid], 120,
                                        "a new worker")
             assert psutil.Process(second.pid).ppid() == server.process.pid
+            assert (first.activity.restarts, second.activity.restarts) == (0, 1)  # what the console shows
             out = httpx.post(server.base_url + "/v1/completions", headers=AUTH, timeout=60,
                              json={"model": server.model, "prompt": "Hi", "max_tokens": 4, "ignore_eos": True})
             assert out.status_code == 200, out.text

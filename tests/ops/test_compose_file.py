@@ -30,6 +30,7 @@ IMAGES = {
     "worker-cpu": ("PAGEDSERVE_WORKER_CPU_IMAGE", "pagedserve-worker:0.1.0-cpu"),
     "jaeger": ("JAEGER_IMAGE", "jaegertracing/all-in-one:1.62.0"),
     "prometheus": ("PROMETHEUS_IMAGE", "prom/prometheus:v3.1.0"),
+    "grafana": ("GRAFANA_IMAGE", "grafana/grafana:11.4.0"),  # --profile observability
 }
 MODEL_MOUNT = "${PAGEDSERVE_MODEL_SOURCE:-models}:/models"
 WORKER_METRICS_PORT = "9400"
@@ -122,6 +123,8 @@ def test_profiles_plain_up_starts_gpu_workers_and_profile_cpu_only_cpu_workers(c
     assert active_services(compose, ["cpu"], {}) == common | {"worker-cpu"}
     # a shell's COMPOSE_PROFILES=cpu (it wins over .env) does the same as --profile cpu
     assert active_services(compose, [], {**env, "COMPOSE_PROFILES": "cpu"}) == common | {"worker-cpu"}
+    # Grafana joins only with its profile
+    assert active_services(compose, ["cpu", "observability"], env) == common | {"worker-cpu", "grafana"}
 
 
 def test_the_models_service_pulls_an_alias_once_or_takes_a_checkpoint_directory(compose):
