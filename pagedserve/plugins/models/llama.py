@@ -98,6 +98,9 @@ class LlamaForCausalLM(nn.Module, CausalLMPlugin):
 
     qkv_bias = False
     qk_norm = False
+    #: modules made of several checkpoint layers stacked along the outputs (for loaders of
+    #: pre-quantized checkpoints, which repack each layer: plugins/int4_checkpoint.py)
+    packed_modules = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
     def __init__(self, hf_config, *, dtype: torch.dtype, device: str | torch.device, kernels: Kernels):
         super().__init__()
