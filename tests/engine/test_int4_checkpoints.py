@@ -69,7 +69,7 @@ def make_pair(source: Path, out: Path, method: str) -> tuple[Path, Path]:
         codes = unpack_codes(layout.qweight)[:, : w.shape[1]]
         prefix = name.removesuffix(".weight")
         packed = gptq_pack(codes, layout.zeros, scales) if method == "gptq" else awq_pack(codes, layout.zeros, scales)
-        quantized.update({f"{prefix}.{k}": v for k, v in packed.items()})
+        quantized.update({f"{prefix}.{k}": v.contiguous() for k, v in packed.items()})
         g = layout.zeros.float().repeat_interleave(GROUP, dim=1)
         dequantized[name] = ((codes.float() - g) * scales.float().repeat_interleave(GROUP, dim=1)).contiguous()
     config = json.loads((source / "config.json").read_text())
@@ -117,11 +117,22 @@ def test_repack_gives_back_the_codes_zeros_and_scales(method):
 
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_checkpoint_loads_as_int4_and_agrees_with_its_weights_dequantized(float_source, tmp_path, method):
+    """Greedy ids of the float checkpoint (the same weights dequantized), teacher-forced on the
+    int4 one, two ways:
+    - one prefill of each whole sequence (more rows than `int4_kernel_max_rows`: each layer
+      dequantizes its int4 weight for F.linear): >= 99% (asserted), the loader's repacking;
+    - prefill chunks of 4 rows (the C++ int4 × int8 kernel, activations quantized to int8 per
+      32 values as Q4_0 × Q8_0): >= 90% asserted, the figure printed. On this random tiny model
+      (activations up to 40, median top-2 logit margin 0.6) the int8 activations move each
+      layer's output by about 1% and flip 4-6% of the greedy ids; the kernel itself matches its
+      reference to 1e-6 (tests/kernels/test_int4.py)."""
+    from pagedserve.plugins.int4_quantization import int4_kernel_max_rows
+
     quantized_dir, float_dir = make_pair(float_source, tmp_path, method)
     reference = LLM(str(float_dir), kv_cache_memory=1 << 22)
     prompts = ["The capital of France is", "Hello world", "héllo wörld", "Paris. The", "tokens, hello",
                "The capital", "world ✓", "France is Paris"]
-    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=72, temperature=0.0, ignore_eos=True)
     greedy = [list(o.outputs[0].token_ids) for o in reference.generate(prompts, params)]
     tok = reference.get_tokenizer()
     del reference
@@ -130,16 +141,23 @@ def test_checkpoint_loads_as_int4_and_agrees_with_its_weights_dequantized(float_
     layer = model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj, Int4Linear) and isinstance(layer.mlp.down_proj, Int4Linear)
     assert layer.self_attn.qkv_proj.out_features == 96 + 2 * 32 and layer.mlp.gate_up_proj.out_features == 256
+    assert layer.mlp.down_proj.zeros is not None and layer.mlp.down_proj.group_size == GROUP
     assert not any(name.endswith(("qkv_proj.weight", "down_proj.weight")) for name, _ in model.named_parameters())
-    predicted = []
-    for p, ref in zip(prompts, greedy):
-        prompt = tok.encode(p)
-        for logits, _ in window_logits(llm.engine, prompt + ref, len(prompt), chunk=64):
-            predicted += logits.argmax(-1).tolist()
+    assert int4_kernel_max_rows() < 72
     expected = [t for ref in greedy for t in ref]
-    agree = sum(a == b for a, b in zip(predicted, expected))
-    print(f"{method}: teacher-forced greedy agreement {agree}/{len(expected)}")
-    assert len(predicted) == len(expected) and agree / len(expected) >= 0.99
+    agreement = {}
+    for path, chunk in (("dequantized", 1000), ("kernel", 4)):
+        predicted = []
+        for p, ref in zip(prompts, greedy):
+            prompt = tok.encode(p)
+            for logits, _ in window_logits(llm.engine, prompt + ref, len(prompt), chunk=chunk):
+                predicted += logits.argmax(-1).tolist()
+        assert len(predicted) == len(expected)
+        agreement[path] = sum(a == b for a, b in zip(predicted, expected)) / len(expected)
+    print(f"{method}: teacher-forced greedy agreement with the float weights: "
+          + ", ".join(f"{k} {v:.1%}" for k, v in agreement.items()))
+    assert agreement["dequantized"] >= 0.99
+    assert agreement["kernel"] >= 0.90
 
 
 class _Config:
