@@ -97,13 +97,15 @@ class ModelShape:
 
     def weight_bytes(self, dtype: str, quantization: str | None = None) -> int:
         """The weights in memory: all in `dtype`, or the linear layers quantized (1 byte a
-        weight for int8, plus a float32 scale per output channel) and the rest in `dtype`."""
-        if quantization is None and self.prequantized is None:
+        weight for int8, plus a float32 scale per output channel; int4: `int4_linear_bytes`)
+        and the rest in `dtype`."""
+        int4 = self.prequantized if quantization is None else INT4_METHODS.get(quantization)
+        if quantization is None and int4 is None:
             return self.num_parameters * DTYPE_BYTES[dtype]
         rest = self.num_parameters - self.num_linear_parameters
-        if quantization is None or quantization in INT4_METHODS:
-            group, zeros = self.prequantized if quantization is None else INT4_METHODS[quantization]
-            return self.int4_linear_bytes(group, zeros) + rest * DTYPE_BYTES[dtype]
+        if int4 is not None:  # int4 at load, or a GPTQ / AWQ checkpoint as it loads
+            return self.int4_linear_bytes(*int4) + rest * DTYPE_BYTES[dtype]
+        assert quantization is not None
         return (self.num_linear_parameters * WEIGHT_QUANTIZATION_BYTES[quantization]
                 + self.num_linear_outputs * SCALE_BYTES + rest * DTYPE_BYTES[dtype])
 
