@@ -13,6 +13,7 @@ from pagedserve.plugins.int4_quantization import (
     Int4Linear,
     Int4Quantization,
     dequantize,
+    int4_kernel_max_rows,
     pack_codes,
     quantize,
     unpack_codes,
@@ -122,7 +123,8 @@ class _Tiny(nn.Module):
 @pytest.mark.parametrize("lm_head", [False, True])
 def test_every_linear_is_replaced_and_the_lm_head_only_when_asked(method, group, zeros, lm_head):
     model = _Tiny()
-    x = torch.randn(3, 40)
+    # more rows than the C++ kernel takes (when a test before loaded it): the float path
+    x = torch.randn(int4_kernel_max_rows() + 1, 40)
     want = model.proj(x)
     report = method().quantize(model, quantize_lm_head=lm_head)
     assert isinstance(model.proj, Int4Linear) and isinstance(model.down, Int4Linear)
