@@ -42,6 +42,11 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     worker_timeout: float = 10.0
     max_attempts: int = 3  # deliveries of one request before it fails (its workers kept dying)
     drain_timeout: float = 30.0  # on SIGTERM: seconds running requests get to finish
+    #: what a draining worker does with the requests still running at drain_timeout: hand
+    #: them back to the queue, where a worker that is not draining resumes each one from what
+    #: its client has been sent (a scale-down), or end them with `worker_shutdown` (off, or
+    #: when every live worker drains: the whole server stops)
+    drain_hand_back: bool = True
     #: admit requests while no worker is live: they wait in the queue (up to request_timeout)
     #: for a worker an autoscaler starts, and /ready needs Redis only. Off: 503 `no_worker`
     queue_without_workers: bool = False
