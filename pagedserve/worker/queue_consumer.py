@@ -51,8 +51,9 @@ class QueueConsumer:
         self.heartbeat = Heartbeat(self.redis, config, self.worker_id, self._stop)
 
     def connection_lost(self) -> None:
-        """Redis went away: subscribe again once it is back."""
+        """Redis went away: subscribe again once it is back, and set the outputs' TTLs again."""
         self.cancellations.connection_lost()
+        self.outbox.connection_lost()
 
     def wait(self, seconds: float) -> bool:
         """Sleep, unless stopped; True when stopped."""
