@@ -61,6 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shape-streams", type=int, default=256,
                         help="the worker shape the budget is given for: its streams")
     parser.add_argument("--shape-steps-per-s", type=float, default=25.0, help="... and its steps per second")
+    parser.add_argument("--output-poll-ms", type=float, default=None,
+                        help="the gateway's read of the output streams every this many ms (default: ServeConfig's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="also print the figures as JSON")
 
@@ -126,6 +128,7 @@ def _budget(args: argparse.Namespace, cpu_us_per_token: float) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
+    import msgspec
     import redis
 
     from pagedserve.bench.fake_engine import ClockEngine
@@ -140,6 +143,8 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
     slots = args.workers * args.streams
     config = ServeConfig(max_queued_requests=slots * 2, tenant_max_requests=slots * 2, heartbeat_interval=1.0)
+    if args.output_poll_ms is not None:
+        config = msgspec.structs.replace(config, output_poll_interval=args.output_poll_ms / 1000)
     with EmbeddedRedis(maxmemory=4 << 30) as server:
         engines = [ClockEngine(max_num_seqs=args.streams, step_ms=args.step_ms, tokens_per_step=args.tokens_per_step)
                    for _ in range(args.workers)]
@@ -204,6 +209,7 @@ async def _measure(args: argparse.Namespace, url: str, config: ServeConfig, engi
     top_level = sum(c for name, (c, _) in commands.items() if name not in _SCRIPT_ONLY)
     return {
         "workers": args.workers, "streams": args.streams, "step_ms": args.step_ms,
+        "output_poll_ms": config.output_poll_interval * 1000,
         "tokens_per_step": args.tokens_per_step, "output_tokens": args.output_tokens,
         "seconds": round(elapsed, 2), "tokens": tokens, "requests": finished, "steps": steps,
         "steps_per_s_per_worker": round(steps / elapsed / args.workers, 2),
@@ -222,7 +228,8 @@ async def _measure(args: argparse.Namespace, url: str, config: ServeConfig, engi
 def _print(args: argparse.Namespace, r: dict[str, Any]) -> None:
     print(f"redis-load: {r['workers']} workers x {r['streams']} streams, a step every {r['step_ms']:g} ms "
           f"({r['steps_per_s_per_worker']} steps/s made per worker), {r['tokens_per_step']} token(s) per stream "
-          f"and step, {r['output_tokens']} tokens per request on average; {r['seconds']} s measured")
+          f"and step, {r['output_tokens']} tokens per request on average, the gateway reading every "
+          f"{r['output_poll_ms']:g} ms; {r['seconds']} s measured")
     print(f"  made {r['tokens']} tokens, finished {r['requests']} requests; Redis main thread busy "
           f"{r['redis_cpu_s']} s ({100 * r['redis_cpu_share']:.1f}% of one core)")
     tokens, requests = r["tokens"] or 1, r["requests"] or 1

@@ -17,6 +17,7 @@ goes through only for the worker that owns the entry (ACK_IF_OWNER, FINISH).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import time
@@ -53,6 +54,12 @@ class Outbox:
         self._open: dict[str, int] = {}  # request id → index in _writes of its chunk, still mergeable
         self._ttl_due: dict[str, float] = {}  # output key → time.monotonic() when its TTL is renewed next
         self._next_sweep = 0.0
+        with contextlib.suppress(redis.RedisError):  # else at the first NOSCRIPT (Redis away now)
+            self._load_scripts()
+
+    def _load_scripts(self) -> None:
+        self.redis.script_load(q.FINISH)
+        self.redis.script_load(q.ACK_IF_OWNER)
 
     def send(self, request_id: str, chunk: Chunk) -> None:
         i = self._open.get(request_id)
@@ -94,8 +101,7 @@ class Outbox:
             results = self._execute(writes)
             if any(isinstance(r, redis.exceptions.NoScriptError) for r in results):
                 # Redis restarted without the scripts: load them, then write the rest again
-                self.redis.script_load(q.FINISH)
-                self.redis.script_load(q.ACK_IF_OWNER)
+                self._load_scripts()
                 first = next(i for i, r in enumerate(results) if isinstance(r, redis.exceptions.NoScriptError))
                 writes, results = writes[first:], self._execute(writes[first:])
         except (redis.ConnectionError, redis.TimeoutError):
