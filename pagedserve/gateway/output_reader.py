@@ -93,7 +93,8 @@ class OutputReader:
 
     async def _read_once(self) -> bool:
         """One XREAD of every stream with room; True when a stream had more than one read takes."""
-        streams = {key: s.last_id for key, s in self._subscriptions.items() if s.batches.qsize() < self.max_backlog}
+        streams: dict[bytes | str | memoryview, int | bytes | str | memoryview] = {
+            key: s.last_id for key, s in self._subscriptions.items() if s.batches.qsize() < self.max_backlog}
         if not streams:
             return False
         reply = cast(StreamRead, await self.redis.xread(streams, count=_COUNT))
