@@ -9,6 +9,9 @@ were made. The hot path is one command per request per step and nothing more:
   full, so an entry is never acknowledged before its final chunk is written;
 - scripts run by EVALSHA in the pipeline (no SCRIPT EXISTS round trip before it); after a
   Redis restart forgot them, they are loaded and the rest of the pass is written again.
+With an `interval` (ServeConfig.output_interval), a running request's chunks go out at most
+once per interval, merged: its first chunk and its final one go at once. That trades how
+often a client hears of new tokens for fewer entries, the unit of Redis's cost.
 Everything is kept for a retry while Redis is away (connection errors raise) or full (its
 OOM error is raised): from the first write refused, in order. A write repeated that way is
 harmless: readers take a delta only where its completion stands (`OutputLog`), and an ack
@@ -47,9 +50,11 @@ class _Write:
 
 
 class Outbox:
-    def __init__(self, client: redis.Redis, worker_id: str):
+    def __init__(self, client: redis.Redis, worker_id: str, interval: float = 0.0):
         self.redis = client
         self.worker_id = worker_id
+        self.interval = interval  # seconds between two writes of a running request's chunks (0: every pass)
+        self._next_write: dict[str, float] = {}  # request id → time.monotonic() its next plain chunk may go
         self._writes: list[_Write] = []  # not yet written, in order
         self._open: dict[str, int] = {}  # request id → index in _writes of its chunk, still mergeable
         self._ttl_due: dict[str, float] = {}  # output key → time.monotonic() when its TTL is renewed next
@@ -74,8 +79,19 @@ class Outbox:
         self._open[request_id] = len(self._writes)
         self._writes.append(_Write(request_id, chunk))
 
+    def finish(self, request_id: str, chunk: Chunk, stream: str, entry_id: str) -> None:
+        """A request's final chunk and the ack of its entry: one write (FINISH), with any of its
+        chunks still waiting merged in before."""
+        self.send(request_id, chunk)
+        i = self._open.pop(request_id, None)
+        last = self._writes[i] if i is not None else self._writes[-1]
+        last.stream, last.entry_id = stream, entry_id
+
     def delete_output(self, request_id: str) -> None:
-        self._open.pop(request_id, None)
+        if (i := self._open.pop(request_id, None)) is not None:  # a chunk held back: nobody reads it now
+            del self._writes[i]
+            self._open = {r: j - (j > i) for r, j in self._open.items()}
+        self._next_write.pop(request_id, None)
         self._writes.append(_Write(request_id, delete=True))
 
     def ack(self, stream: str, entry_id: str) -> None:
@@ -96,7 +112,10 @@ class Outbox:
         while Redis is away (connection errors raise) or full (its OOM error is raised)."""
         if not self._writes:
             return
-        writes, self._writes, self._open = self._writes, [], {}
+        writes, self._writes = self._due(self._writes)
+        self._reindex()
+        if not writes:
+            return
         try:
             results = self._execute(writes)
             if any(isinstance(r, redis.exceptions.NoScriptError) for r in results):
@@ -106,20 +125,47 @@ class Outbox:
                 writes, results = writes[first:], self._execute(writes[first:])
         except (redis.ConnectionError, redis.TimeoutError):
             self._writes = writes + self._writes
+            self._reindex()
             raise
         full = [i for i, r in enumerate(results) if isinstance(r, redis.exceptions.OutOfMemoryError)]
         if full:
             self._writes = writes[full[0]:] + self._writes
+            self._reindex()
             raise results[full[0]]
         for result in results:
             if isinstance(result, Exception):
                 logger.error("redis write failed: %s", result)
+
+    def _reindex(self) -> None:
+        """Which write a request's next chunk merges into: its last plain chunk waiting."""
+        self._open = {w.request_id: i for i, w in enumerate(self._writes) if _plain(w)}
+
+    def _due(self, writes: list[_Write]) -> tuple[list[_Write], list[_Write]]:
+        """(what goes now, what waits): with an interval, a running request's plain chunk
+        waits until its request's next write is due; its first one goes at once."""
+        if self.interval <= 0:
+            return writes, []
+        now = time.monotonic()
+        ending = {w.request_id for w in writes if not _plain(w)}  # their held chunks go first, in order
+        due, held = [], []
+        for w in writes:
+            plain = _plain(w)
+            if plain and w.request_id not in ending and now < self._next_write.get(w.request_id, 0.0):
+                held.append(w)
+                continue
+            due.append(w)
+            if plain:
+                self._next_write[w.request_id] = now + self.interval
+            elif w.request_id:
+                self._next_write.pop(w.request_id, None)
+        return due, held
 
     def _execute(self, writes: list[_Write]) -> list:
         """One pipeline for `writes`; the replies, one per write (errors as values)."""
         now = time.monotonic()
         if now >= self._next_sweep:  # forget streams not written for a while (their TTL is due anyway)
             self._ttl_due = {k: t for k, t in self._ttl_due.items() if t > now}
+            self._next_write = {k: t for k, t in self._next_write.items() if t > now}  # past: due anyway
             self._next_sweep = now + q.OUTPUT_TTL / 2
         pipe = self.redis.pipeline(transaction=False)
         slots = []  # per write, its reply's index in the pipeline
@@ -149,6 +195,11 @@ class Outbox:
             if results[i] == 1:  # the stream existed (its XADD went through) and has its TTL now
                 self._ttl_due[key] = now + q.OUTPUT_TTL / 2
         return [results[i] for i in slots]
+
+
+def _plain(w: _Write) -> bool:
+    """A chunk of a running request: neither its final one nor an ack nor a delete."""
+    return w.chunk is not None and not w.chunk.done and not w.stream
 
 
 _ACK_SHA = _sha(q.ACK_IF_OWNER)

@@ -44,7 +44,7 @@ class QueueConsumer:
         self.worker_id = q.check_worker_id(worker_id or new_worker_id())
         self.redis = redis.Redis.from_url(redis_url, socket_connect_timeout=2, health_check_interval=10)
         self._stop = threading.Event()
-        self.outbox = Outbox(self.redis, self.worker_id)
+        self.outbox = Outbox(self.redis, self.worker_id, config.output_interval)
         self.reader = RequestReader(self.redis, config, self.worker_id, self.outbox, self._stop)
         self.takeover = Takeover(self.redis, config, self.worker_id, self.reader, self.outbox)
         self.cancellations = Cancellations(self.redis)

@@ -169,3 +169,43 @@ def test_a_final_chunk_is_written_and_acked_after_redis_forgot_the_scripts(serve
     assert service.queue.redis.xlen(q.REQUESTS) == 0  # acknowledged (FINISH ran after the reload)
     assert _outputs(server.url, [request]) == {
         "r0": [expected_token(request.prompt_token_ids, i) for i in range(MAX_TOKENS)]}
+
+
+def test_with_an_output_interval_a_running_request_writes_its_first_and_last_chunks_only(server, monkeypatch):
+    """An interval longer than the request: the first step's chunk goes at once (the client's
+    first token is not held back), the steps after it write nothing, and the final chunk
+    carries every token since, merged: still exactly the tokens made, in order."""
+    engine = ClockEngine(max_num_seqs=S, step_ms=0.0, tokens_per_step=1)
+    config = ServeConfig(heartbeat_interval=60.0, worker_timeout=200.0, output_interval=60.0)
+    service = WorkerService(cast(Engine, engine), config, server.url, worker_id="w1")
+    service.queue.redis.zadd(q.WORKERS, {"w1": time.time() + 300})
+    requests = _admit(server.url, S)
+    admin = redis.Redis.from_url(server.url)
+    service._iteration()
+    assert all(admin.xlen(q.output_key(r.request_id)) == 1 for r in requests)
+    counted = _Counted(monkeypatch)
+    admin.config_resetstat()
+    for _ in range(MAX_TOKENS - 2):
+        service._iteration()
+    assert _commands(admin) == {"smembers": MAX_TOKENS - 2, "zrangebyscore": MAX_TOKENS - 2}  # nothing written
+    service._iteration()  # the last step
+    assert counted.pipelines[-1] == ["EVALSHA"] * S and engine.num_finished == S
+    assert all(admin.xlen(q.output_key(r.request_id)) == 2 for r in requests)
+    assert _outputs(server.url, requests) == {
+        r.request_id: [expected_token(r.prompt_token_ids, i) for i in range(MAX_TOKENS)] for r in requests}
+    admin.close()
+
+
+def test_a_chunk_held_back_is_dropped_when_its_client_goes_away(server):
+    service, _engine = _worker(server.url, 1)
+    outbox = service.queue.outbox
+    outbox.interval = 60.0
+    first = Chunk(attempt=1, deltas=[CompletionDelta(index=0, start=0, token_ids=[1], text="a")])
+    outbox.send("c", first)
+    outbox.flush()  # the first chunk goes at once
+    outbox.send("c", Chunk(attempt=1, deltas=[CompletionDelta(index=0, start=1, token_ids=[2], text="b")]))
+    outbox.flush()  # held back
+    assert service.queue.redis.xlen(q.output_key("c")) == 1
+    outbox.delete_output("c")
+    outbox.flush()
+    assert not service.queue.redis.exists(q.output_key("c")) and outbox._writes == []
