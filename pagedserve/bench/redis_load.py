@@ -63,6 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shape-steps-per-s", type=float, default=25.0, help="... and its steps per second")
     parser.add_argument("--output-poll-ms", type=float, default=None,
                         help="the gateway's read of the output streams every this many ms (default: ServeConfig's)")
+    parser.add_argument("--output-interval-ms", type=float, default=None,
+                        help="a worker writes a running request's tokens at most this often (default: ServeConfig's, "
+                             "0: every step)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="also print the figures as JSON")
 
@@ -145,6 +148,8 @@ def run(args: argparse.Namespace) -> int:
     config = ServeConfig(max_queued_requests=slots * 2, tenant_max_requests=slots * 2, heartbeat_interval=1.0)
     if args.output_poll_ms is not None:
         config = msgspec.structs.replace(config, output_poll_interval=args.output_poll_ms / 1000)
+    if args.output_interval_ms is not None:
+        config = msgspec.structs.replace(config, output_interval=args.output_interval_ms / 1000)
     with EmbeddedRedis(maxmemory=4 << 30) as server:
         engines = [ClockEngine(max_num_seqs=args.streams, step_ms=args.step_ms, tokens_per_step=args.tokens_per_step)
                    for _ in range(args.workers)]
@@ -209,7 +214,7 @@ async def _measure(args: argparse.Namespace, url: str, config: ServeConfig, engi
     top_level = sum(c for name, (c, _) in commands.items() if name not in _SCRIPT_ONLY)
     return {
         "workers": args.workers, "streams": args.streams, "step_ms": args.step_ms,
-        "output_poll_ms": config.output_poll_interval * 1000,
+        "output_poll_ms": config.output_poll_interval * 1000, "output_interval_ms": config.output_interval * 1000,
         "tokens_per_step": args.tokens_per_step, "output_tokens": args.output_tokens,
         "seconds": round(elapsed, 2), "tokens": tokens, "requests": finished, "steps": steps,
         "steps_per_s_per_worker": round(steps / elapsed / args.workers, 2),
@@ -218,6 +223,8 @@ async def _measure(args: argparse.Namespace, url: str, config: ServeConfig, engi
         "commands_per_token": round(top_level / tokens, 3) if tokens else None,
         "commands_per_request": round(top_level / finished, 1) if finished else None,
         "cpu_us_per_token": round(cpu_us / tokens, 3) if tokens else None,
+        "entries_per_stream_step": round(commands.get("xadd", (0, 0))[0] * args.tokens_per_step / tokens, 3)
+        if tokens else None,
         "cpu_us_per_request": round(cpu_us / finished, 1) if finished else None,
         "shape": {"streams": args.shape_streams, "steps_per_s": args.shape_steps_per_s},
         "workers_per_core": round(_budget(args, cpu_us / tokens), 1) if tokens else None,
@@ -229,7 +236,8 @@ def _print(args: argparse.Namespace, r: dict[str, Any]) -> None:
     print(f"redis-load: {r['workers']} workers x {r['streams']} streams, a step every {r['step_ms']:g} ms "
           f"({r['steps_per_s_per_worker']} steps/s made per worker), {r['tokens_per_step']} token(s) per stream "
           f"and step, {r['output_tokens']} tokens per request on average, the gateway reading every "
-          f"{r['output_poll_ms']:g} ms; {r['seconds']} s measured")
+          f"{r['output_poll_ms']:g} ms, a worker writing a stream every {r['output_interval_ms']:g} ms at most "
+          f"(0: every step); {r['seconds']} s measured")
     print(f"  made {r['tokens']} tokens, finished {r['requests']} requests; Redis main thread busy "
           f"{r['redis_cpu_s']} s ({100 * r['redis_cpu_share']:.1f}% of one core)")
     tokens, requests = r["tokens"] or 1, r["requests"] or 1
@@ -243,6 +251,7 @@ def _print(args: argparse.Namespace, r: dict[str, Any]) -> None:
     print(f"  Redis CPU: {r['cpu_us_per_token']} us per token, {r['cpu_us_per_request']} us per request "
           f"(each request's own costs included, at this request length)")
     shape = r["shape"]
+    print(f"  entries written per stream and step: {r['entries_per_stream_step']}")
     print(f"  one Redis core carries {r['workers_per_core']} workers of {shape['streams']} streams at "
           f"{shape['steps_per_s']:g} steps/s ({args.tokens_per_step} token(s) per stream and step)")
     print(f"  gateway side: {r['completed']} requests read token-exact, {r['wrong']} not, {r['errors']} with an "
