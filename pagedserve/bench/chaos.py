@@ -634,7 +634,8 @@ class ChaosRun:
         return ran
 
     def count_gateway_answers(self) -> None:
-        """The answers the gateway counted (its /metrics, every route but the probes): set
+        """The answers the gateway counted (its /metrics: /v1/completions, and "other", where the
+        HTTP layer's own answers go, as a 503 beyond --max-connections): set
         beside the clients' count, it says whether a request whose connection broke before
         any answer had reached the gateway (it would have answered it, if only with a 499)."""
         import httpx
@@ -645,8 +646,8 @@ class ChaosRun:
             return
         total = 0.0
         for line in text.splitlines():
-            if line.startswith("pagedserve:http_requests_total{") and not any(
-                    f'route="{probe}"' in line for probe in ("/health", "/ready", "/metrics")):
+            if line.startswith("pagedserve:http_requests_total{") and any(
+                    f'route="{route}"' in line for route in ("/v1/completions", "other")):
                 total += float(line.rsplit(" ", 1)[1])
         self.gateway_answers = int(total)
 
