@@ -403,14 +403,18 @@ void rotate(float* x, int64_t heads, int64_t head_dim, const float* cos, const f
 
 using Clock = std::chrono::steady_clock;
 
-// fn(begin, end) over the rows [0, m): inline up to kRowGrain rows (a parallel region costs
-// more than the work of a few rows), else split across torch's intra-op threads. Each row's
-// element-wise work is the same code whichever thread runs it and with whichever rows.
-constexpr int64_t kRowGrain = 16;
+// fn(begin, end) over the rows [0, m) of `width` elements of work each: inline while the
+// whole is under kParallelWork elements, else split across torch's intra-op threads. A
+// parallel region costs microseconds on a quiet machine, but on a shared, oversubscribed one
+// each region waits for its slowest thread to get a core: a step at 32 rows took 1.4 s in
+// "other" ops with four regions a layer, against 46 ms at 16 rows with none (the AMD EPYC at
+// load 12). So only work worth a region gets one (SiLU·mul from about 43 rows of the default
+// model, the norms from 114). Each row's work is the same code on any thread, with any rows.
+constexpr int64_t kParallelWork = 1 << 16;
 template <class F>
-inline void for_rows(int64_t m, const F& fn) {
-  if (m <= kRowGrain) return fn(int64_t{0}, m);
-  at::parallel_for(0, m, kRowGrain / 2, fn);
+inline void for_rows(int64_t m, int64_t width, const F& fn) {
+  if (m * width < kParallelWork) return fn(int64_t{0}, m);
+  at::parallel_for(0, m, std::max<int64_t>(1, kParallelWork / 4 / width), fn);
 }
 
 struct Layer {
@@ -594,7 +598,7 @@ class FusedDecoder {
     for (size_t li = 0; li < layers_.size(); ++li) {
       const Layer& L = layers_[li];
       // the residual stream: add the previous sublayer's output (none before layer 0), then norm
-      for_rows(m, [&](int64_t r0, int64_t r1) {
+      for_rows(m, H, [&](int64_t r0, int64_t r1) {
         if (li > 0)
           for (int64_t i = r0 * H; i < r1 * H; ++i) residual[i] += hidden[i];
         rms_norm_rows(residual + r0 * H, r1 - r0, H, L.input_norm.data_ptr<float>(), eps_, normed + r0 * H);
@@ -609,7 +613,7 @@ class FusedDecoder {
       const int64_t slot_bytes = row_stride * kv.element_size();
       // the queries, gathered out of the fused qkv rows, for the attention kernel
       auto q_rows = torch::empty({m, num_heads_, head_dim_}, opts);
-      for_rows(m, [&](int64_t r0, int64_t r1) {
+      for_rows(m, qkv_out, [&](int64_t r0, int64_t r1) {
         for (int64_t r = r0; r < r1; ++r) {
           float* q = qkv_.data() + r * qkv_out;
           float* k = q + q_size_;
@@ -641,14 +645,14 @@ class FusedDecoder {
       lap(attention_ns_);
       linear_any(attn.data_ptr<float>(), m, q_size_, L.o_proj, L.o_proj_scale, nullptr, H, hidden);
       lap(linear_ns_);
-      for_rows(m, [&](int64_t r0, int64_t r1) {
+      for_rows(m, H, [&](int64_t r0, int64_t r1) {
         for (int64_t i = r0 * H; i < r1 * H; ++i) residual[i] += hidden[i];
         rms_norm_rows(residual + r0 * H, r1 - r0, H, L.post_norm.data_ptr<float>(), eps_, normed + r0 * H);
       });
       lap(other_ns_);
       linear_any(normed, m, H, L.gate_up, L.gate_up_scale, nullptr, 2 * I, mlp_.data());
       lap(linear_ns_);
-      for_rows(m, [&](int64_t r0, int64_t r1) {
+      for_rows(m, I, [&](int64_t r0, int64_t r1) {
         for (int64_t r = r0; r < r1; ++r) {
           const float* gate = mlp_.data() + r * 2 * I;
           const float* up = gate + I;
