@@ -84,9 +84,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     attention_backend: str = "auto"  # auto (triton on CUDA, cpu on CPU) | torch | cpu | triton
     enforce_eager: bool = False  # every step through the model's forward: no CUDA graphs, no fused CPU decode
     cuda_graph_max_batch: int = 256  # decode batches up to this size (and max_num_seqs) use graphs
-    #: CPU float32: decode-only steps of up to this many sequences run in the fused C++ step
-    #: (kernels/cpu_decode.py); 0 turns it off
-    fused_decode_max_batch: int = 16
+    #: CPU float32: decode-only steps of up to this many rows run in the fused C++ step
+    #: (kernels/cpu_decode.py; its scratch grows with the largest step run, up to this); 0 turns it off
+    fused_decode_max_batch: int = 256
     #: weight quantization at load time: an entry point in pagedserve.quantization (int8:
     #: weight-only int8, one scale per output channel); None: the checkpoint's float weights
     quantization: str | None = None
