@@ -26,6 +26,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -86,7 +87,8 @@ class TorchParallelGroup(ParallelGroup):
                                 datetime.timedelta(seconds=start_timeout))
         nccl = device.type == "cuda" and torch.cuda.device_count() >= world_size
         if nccl:  # every rank on its own GPU (not measured here: the CI has no GPUs)
-            self.data: dist.ProcessGroup = dist.ProcessGroupNCCL(dist.PrefixStore("data/", store), rank, world_size)
+            self.data: Any = dist.ProcessGroupNCCL(dist.PrefixStore("data/", store), rank, world_size,
+                                                  dist.ProcessGroupNCCL.Options())
         else:
             self.data = self.meta
         self.backend = "nccl" if nccl else "gloo"
@@ -103,12 +105,12 @@ class TorchParallelGroup(ParallelGroup):
         """The smallest `value` over the ranks (the KV blocks that fit every rank)."""
         tensor = torch.tensor([value], dtype=torch.int64)
         opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.MIN
+        opts.reduceOp = dist.ReduceOp.MIN  # type: ignore[assignment]  # torch's stubs type the member as RedOpType
         opts.timeout = timeout
         self.meta.allreduce([tensor], opts).wait()
         return int(tensor.item())
 
-    def _all_reduce(self, group: dist.ProcessGroup, tensor: torch.Tensor, op) -> torch.Tensor:
+    def _all_reduce(self, group: Any, tensor: torch.Tensor, op: Any) -> torch.Tensor:
         started = time.perf_counter()
         opts = dist.AllreduceOptions()
         opts.reduceOp = op
@@ -141,8 +143,8 @@ class TorchParallelGroup(ParallelGroup):
         return seconds
 
 
-def _gloo_group(store: dist.Store, rank: int, world_size: int, timeout: datetime.timedelta) -> dist.ProcessGroup:
-    options = dist.ProcessGroupGloo._Options()
+def _gloo_group(store: dist.Store, rank: int, world_size: int, timeout: datetime.timedelta) -> Any:
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # torch's stubs lack it
     options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]  # ranks share one host
     options._timeout = timeout
     return dist.ProcessGroupGloo(store, rank, world_size, options)

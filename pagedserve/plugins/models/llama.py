@@ -43,6 +43,12 @@ from pagedserve.plugins.models.parallel import (
 from pagedserve.plugins.models.rotary import RotaryEmbedding, rope_parameters
 
 
+def _weight(module: nn.Module, name: str = "weight") -> torch.Tensor:
+    """A plain module's weight (or bias) tensor, typed (the attributes are typed as modules
+    because the parallel layers may stand in their place)."""
+    return cast(torch.Tensor, getattr(module, name))
+
+
 def _scale(linear: nn.Module) -> torch.Tensor | None:
     """The per-row scales of a quantized linear's int8 weight; None for a float one."""
     return getattr(linear, "weight_scale", None)
@@ -186,7 +192,7 @@ class LlamaForCausalLM(nn.Module, CausalLMPlugin):
 
     def compute_logits(self, hidden_states):
         if self.lm_head is None:  # tied
-            return F.linear(hidden_states, self.embed_tokens.weight).float()  # [n, vocab]
+            return F.linear(hidden_states, _weight(self.embed_tokens)).float()  # [n, vocab]
         return self.lm_head(hidden_states).float()  # a float, quantized or parallel head
 
     @classmethod
@@ -207,19 +213,20 @@ class LlamaForCausalLM(nn.Module, CausalLMPlugin):
         for layer in cast(Iterable[DecoderLayer], self.layers):
             attn = layer.self_attn
             layers.append(DecoderLayerWeights(
-                input_norm=layer.input_layernorm.weight, qkv=attn.qkv_proj.weight, qkv_bias=attn.qkv_proj.bias,
+                input_norm=layer.input_layernorm.weight, qkv=_weight(attn.qkv_proj),
+                qkv_bias=cast(torch.Tensor | None, attn.qkv_proj.bias),
                 q_norm=attn.q_norm.weight if attn.q_norm is not None else None,
                 k_norm=attn.k_norm.weight if attn.k_norm is not None else None,
-                o_proj=attn.o_proj.weight, post_norm=layer.post_attention_layernorm.weight,
-                gate_up=layer.mlp.gate_up_proj.weight, down=layer.mlp.down_proj.weight,
+                o_proj=_weight(attn.o_proj), post_norm=layer.post_attention_layernorm.weight,
+                gate_up=_weight(layer.mlp.gate_up_proj), down=_weight(layer.mlp.down_proj),
                 # a quantized linear (contracts/quantization.py) carries its per-row scales
                 qkv_scale=_scale(attn.qkv_proj), o_proj_scale=_scale(attn.o_proj),
                 gate_up_scale=_scale(layer.mlp.gate_up_proj), down_scale=_scale(layer.mlp.down_proj),
             ))
         first = cast(DecoderLayer, self.layers[0]).self_attn
         return DecoderWeights(
-            embed=self.embed_tokens.weight, layers=layers, final_norm=self.norm.weight,
-            lm_head=self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight,
+            embed=_weight(self.embed_tokens), layers=layers, final_norm=self.norm.weight,
+            lm_head=_weight(self.embed_tokens if self.lm_head is None else self.lm_head),
             lm_head_scale=None if self.lm_head is None else _scale(self.lm_head),
             cos=first.rotary.cos, sin=first.rotary.sin, num_heads=first.num_heads, num_kv_heads=first.num_kv_heads,
             head_dim=first.head_dim, rms_norm_eps=float(self.config.rms_norm_eps),
