@@ -92,8 +92,10 @@ class TorchParallelGroup(ParallelGroup):
         else:
             self.data = self.meta
         self.backend = "nccl" if nccl else "gloo"
-        #: seconds spent in all-reduce and gather since the last `take_comm_seconds`
+        #: seconds in all-reduce (`comm_seconds`) and in the LM head's gather (`gather_seconds`)
+        #: since they were last reset (`bench offline --profile` reads them)
         self.comm_seconds = 0.0
+        self.gather_seconds = 0.0
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         return self._all_reduce(self.data, tensor, dist.ReduceOp.SUM)
@@ -127,7 +129,7 @@ class TorchParallelGroup(ParallelGroup):
         opts.rootRank = 0
         opts.timeout = self.timeout
         self.data.gather(outputs, [tensor], opts).wait()
-        self.comm_seconds += time.perf_counter() - started
+        self.gather_seconds += time.perf_counter() - started
         return torch.cat(outputs[0], dim=-1) if self.rank == 0 else tensor
 
     def broadcast(self, tensor: torch.Tensor, timeout: datetime.timedelta | None = None) -> torch.Tensor:
@@ -138,9 +140,6 @@ class TorchParallelGroup(ParallelGroup):
         self.meta.broadcast([tensor], opts).wait()
         return tensor
 
-    def take_comm_seconds(self) -> float:
-        seconds, self.comm_seconds = self.comm_seconds, 0.0
-        return seconds
 
 
 def _gloo_group(store: dist.Store, rank: int, world_size: int, timeout: datetime.timedelta) -> Any:
@@ -207,6 +206,7 @@ class ShardRanks:
         self.wait_for("started")
         self.group = TorchParallelGroup(self.store, 0, self.world_size, device, config.tensor_parallel_timeout,
                                         config.tensor_parallel_start_timeout)
+        self.broadcast_seconds = 0.0  # in `send_step`, since it was last reset
         logger.info("tensor parallelism: %d ranks over %s (rank pids %s)", self.world_size, self.group.backend,
                     [p.pid for p in self.processes])
 
@@ -235,18 +235,26 @@ class ShardRanks:
         return self.group.agree_min(num_blocks, datetime.timedelta(seconds=self.start_timeout))
 
     def send_step(self, batch: ModelInput) -> None:
+        started = time.perf_counter()
         header, payload = StepMessage.encode(batch)
         try:
             self.group.broadcast(header)
             self.group.broadcast(payload)
         except RuntimeError as exc:
             raise self.failure(exc) from exc
+        self.broadcast_seconds += time.perf_counter() - started
 
     def failure(self, exc: BaseException) -> RankFailure:
-        """What went wrong with the ranks, naming a rank that exited, for a failed collective."""
-        for rank, process in enumerate(self.processes, start=1):
-            if (code := process.poll()) is not None:
-                return RankFailure(f"tensor-parallel rank {rank} (pid {process.pid}) exited with code {code}")
+        """What went wrong with the ranks, naming a rank that exited, for a failed collective
+        (a dead rank's sockets close a moment before its exit shows: give it a second)."""
+        deadline = time.monotonic() + 1.0
+        while True:
+            for rank, process in enumerate(self.processes, start=1):
+                if (code := process.poll()) is not None:
+                    return RankFailure(f"tensor-parallel rank {rank} (pid {process.pid}) exited with code {code}")
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
         return RankFailure(f"a tensor-parallel collective failed or timed out after "
                            f"{self.group.timeout.total_seconds():g} s (a rank hung?): {exc}")
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from pagedserve import SamplingParams
+from pagedserve.bench.step_profile import format_profiles, profile_decode
 from pagedserve.common.contracts import CausalLMPlugin
 from pagedserve.common.errors import InvalidParameterError
 from pagedserve.engine import model_loader, tensor_parallel
@@ -90,6 +91,9 @@ def test_four_ranks_replicate_kv_heads_and_a_killed_rank_fails_the_step(llama8):
     try:
         assert four.engine.runner.kv_pool.spec.num_kv_heads == 1  # 2 KV heads over 4 ranks: each holds one
         assert_same_completions(expected, four.generate(prompts, GREEDY))
+        profile = profile_decode(four.engine, 2, prompt_len=20, steps=2)  # `bench offline --profile`
+        assert profile.all_reduce > 0 and profile.broadcast > 0
+        assert "all-reduce (TP)" in format_profiles([profile])
         pids = _rank_pids(four)
         os.kill(pids[1], signal.SIGKILL)  # rank 2
         started = time.monotonic()
