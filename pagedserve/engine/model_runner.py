@@ -69,6 +69,14 @@ class ModelRunner:
             if self.device.type == "cpu":
                 torch.set_num_threads(cpu_threads_per_rank(config))
             self.ranks = ShardRanks(config, model_dir, self.device)
+        try:
+            self._set_up(config, model_dir, hf_config)
+        except BaseException:
+            self.close()  # no rank outlives a runner that failed to start
+            raise
+
+    def _set_up(self, config: EngineConfig, model_dir: Path, hf_config) -> None:
+        """The model, the KV cache and the decode fast path (this rank's shards under TP)."""
         parallel = self.ranks.group if self.ranks is not None else None
         self.model = load_model(model_dir, hf_config, self.dtype, self.device, self.kernels, config.load_format,
                                 config.quantization, config.quantize_lm_head, parallel)

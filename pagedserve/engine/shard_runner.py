@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import signal
 import sys
 import threading
 from pathlib import Path
@@ -101,6 +102,10 @@ def _exit_when_stdin_closes() -> None:
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # A signal to the worker's process group (Ctrl-C, a drain's SIGTERM) is rank 0's to act
+    # on: it keeps stepping while it drains, and stops this rank when it is done.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     init = msgspec.json.decode(sys.stdin.buffer.readline(), type=ShardInit)
     threading.Thread(target=_exit_when_stdin_closes, name="rank0-watch", daemon=True).start()
     config = init.config

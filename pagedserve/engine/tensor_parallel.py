@@ -204,8 +204,12 @@ class ShardRanks:
             process.stdin.write(msgspec.json.encode(init) + b"\n")
             process.stdin.flush()  # left open: its EOF tells the rank that rank 0 is gone
         self.wait_for("started")
-        self.group = TorchParallelGroup(self.store, 0, self.world_size, device, config.tensor_parallel_timeout,
-                                        config.tensor_parallel_start_timeout)
+        try:
+            self.group = TorchParallelGroup(self.store, 0, self.world_size, device, config.tensor_parallel_timeout,
+                                            config.tensor_parallel_start_timeout)
+        except BaseException:
+            self.close()
+            raise
         self.broadcast_seconds = 0.0  # in `send_step`, since it was last reset
         logger.info("tensor parallelism: %d ranks over %s (rank pids %s)", self.world_size, self.group.backend,
                     [p.pid for p in self.processes])
@@ -260,17 +264,17 @@ class ShardRanks:
 
     def close(self) -> None:
         """Stop every rank: a STOP message when they listen, then their stdin closes, then,
-        after 5 s, a kill; none is left behind."""
+        after 3 s, a kill; none is left behind."""
         if hasattr(self, "group"):
             try:
                 header = torch.zeros(StepMessage.HEADER, dtype=torch.int64)  # STOP
-                self.group.broadcast(header, datetime.timedelta(seconds=2))
+                self.group.broadcast(header, datetime.timedelta(seconds=1))
             except RuntimeError:
                 pass  # a rank is gone already: the others read EOF below
         for process in self.processes:
             if process.stdin is not None and not process.stdin.closed:
                 process.stdin.close()
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 3
         for process in self.processes:
             try:
                 process.wait(max(0.0, deadline - time.monotonic()))
