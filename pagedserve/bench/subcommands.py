@@ -74,6 +74,8 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:
                          help="instead of a workload: where a decode step's time goes (bench/step_profile.py), "
                               "default engine and --enforce-eager")
     offline.add_argument("--profile-batches", default="1,64", help="batch sizes to profile (comma list)")
+    offline.add_argument("--tensor-parallel-size", type=int, default=1,
+                         help="--profile: ranks the model is split across (the table gains their all-reduce time)")
     offline.add_argument("--profile-prompt", type=int, default=128, help="prompt tokens of each profiled request")
     offline.add_argument("--profile-steps", type=int, default=32, help="decode steps timed per batch size")
     offline.set_defaults(func=_bench_offline)

@@ -28,6 +28,7 @@ from pagedserve.common.queue_protocol import WorkerInfo
 from pagedserve.common.serve_config import ServeConfig
 from pagedserve.common.step_stats import FinishedRequestStats, StepStats
 from pagedserve.engine.engine import Engine
+from pagedserve.engine.tensor_parallel import RankFailure
 from pagedserve.prefix_cache.publisher import KVEventPublisher
 from pagedserve.telemetry.metrics import WorkerMetrics, serve_metrics
 from pagedserve.telemetry.tracing import Tracing
@@ -90,6 +91,9 @@ class WorkerService:
                 if self.queue.wait(backoff):
                     break
                 backoff = min(backoff * 2, 2.0)
+            except RankFailure as exc:  # the worker is its ranks: it goes down whole, the queue moves its requests
+                logger.error("worker %s stops: %s", self.worker_id, exc)
+                raise
             except Exception:  # a bug in one pass must not end the worker and its requests
                 logger.exception("worker loop error; going on")
                 if self.queue.wait(0.5):
