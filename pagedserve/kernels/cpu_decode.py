@@ -6,8 +6,8 @@ a step in csrc/cpu_decode.cpp — its own matrix products, which read the weight
 twice the speed of torch's batch-1 `F.linear` and, from 8 rows, run in register tiles
 (same bits, batch-invariant), and the element-wise work in the same loops, split across
 threads by rows in large steps, with no Python or aten calls per layer. The runner uses it
-for decode-only steps of up to `fused_decode_max_batch` rows (256 by default: every decode
-batch of the default `max_num_seqs`); every other step (prefill chunks, mixed batches)
+for decode-only steps of up to `fused_decode_max_batch` rows (16 by default; it runs any
+number, but at batch 64 it measured slower than the eager forward, see EngineConfig); every other step (prefill chunks, mixed batches)
 runs the model's own `forward`.
 
 With int8 weights (`EngineConfig.quantization`), the projections whose `DecoderLayerWeights`
