@@ -36,11 +36,11 @@ $(STAMP): pyproject.toml
 serve: $(STAMP)
 	$(VENV)/bin/pagedserve serve $(ARGS)
 
-# pytest-xdist worker processes for the non-docker tests: `make test TEST_WORKERS=2` (each
-# whole file on one worker, so a module's fixtures are built once; tests/conftest.py gives each
-# worker its share of torch's threads). 0, the default: one process, as before, until a full
-# run of the suite under -n 2 on CI's two cores is known to pass and to be faster.
-TEST_WORKERS ?= 0
+# pytest-xdist worker processes for the non-docker tests (each whole file on one worker, so a
+# module's fixtures are built once; tests/conftest.py gives each worker its share of torch's
+# threads). 2, the default, for CI's two cores: much of the suite waits on servers, Redis and
+# process start-ups, which two processes overlap. `make test TEST_WORKERS=0`: one process.
+TEST_WORKERS ?= 2
 
 # ruff, the layer contract ([tool.importlinter] in pyproject.toml), mypy ([tool.mypy]), pytest
 # but the `docker` tests, then those (test-docker; they run whether or not the rest passed).

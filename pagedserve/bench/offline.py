@@ -2,13 +2,17 @@
 (pagedserve.bench.workloads), in this process.
 
     pagedserve bench offline --workload fixed|mixed|shared-prefix [--dtype D] [--compare transformers]
+        [--vllm-python PEER-VENV/bin/python] [--llama-cpp DIR --gguf MODEL-F32.gguf]   # peers in other processes
     pagedserve bench offline --workload structured [--structured-batches 1,16,64]   # bench/structured.py
     pagedserve bench offline --profile [--profile-batches 1,64]   # where a decode step's time goes
 
 Prints output and total tok/s for pagedserve and, in the same run, for transformers'
 static-batch `generate` and `generate_batch`; the ratios; TTFT; and the share of the
 wall time spent outside the model forward. `shared-prefix` runs with the prefix cache on
-and off.
+and off. vLLM's CPU engine (bench/vllm_peer.py, in its own interpreter) and llama.cpp's
+`llama-batched-bench` (bench/llama_batched.py, `fixed` only) run before pagedserve, in child
+processes, before this process starts torch's threads: their idle OpenMP threads would
+otherwise spin on the cores the peers measure on. Their rows follow pagedserve's.
 """
 
 from __future__ import annotations
@@ -142,6 +146,21 @@ def run_hf_generate_batch(args, prompts, out_lens):
     return elapsed, {}
 
 
+def external_peers(args) -> dict[str, Callable[..., tuple[float, dict[str, Any]]]]:
+    """The peers that run in child processes, by row name: vLLM's CPU engine with
+    `--vllm-python`, llama-batched-bench with `--llama-cpp`."""
+    peers: dict[str, Callable[..., tuple[float, dict[str, Any]]]] = {}
+    if getattr(args, "vllm_python", None):
+        from pagedserve.bench.vllm_peer import run_vllm
+
+        peers["vLLM CPU"] = run_vllm
+    if getattr(args, "llama_cpp", None):
+        from pagedserve.bench.llama_batched import run_llama_batched
+
+        peers["llama.cpp batched-bench"] = run_llama_batched
+    return peers
+
+
 def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     if args.profile:
@@ -168,6 +187,8 @@ def run(args: argparse.Namespace) -> int:
     # name → (args, prompts, out_lens) -> (seconds, extra figures)
     systems: dict[str, Callable[..., tuple[float, dict[str, Any]]]] = {"pagedserve": run_pagedserve, "generate": run_hf_generate, "generate_batch": run_hf_generate_batch}
     names = ["pagedserve"] + [p for p in args.peers.split(",") if p]
+    external = external_peers(args)  # run first; their rows go last
+    systems.update(external)
     if args.workload == "shared-prefix":  # the point of this workload: caching on against off
         systems["pagedserve (no prefix cache)"] = lambda a, p, o: run_pagedserve(argparse.Namespace(**{**vars(a), "no_prefix_caching": True}), p, o)
         names.insert(1, "pagedserve (no prefix cache)")
@@ -188,9 +209,10 @@ def run(args: argparse.Namespace) -> int:
             systems[name] = lambda a, p, o, n=n: run_pagedserve(argparse.Namespace(**{**vars(a), "max_num_seqs": n}), p, o)
         names = [f"pagedserve max_num_seqs={n}" for n in sweep] + names[1:]
     rows = []
-    for name in names:
+    for name in [*external, *names]:
         elapsed, extra = systems[name](args, prompts, out_lens)
         rows.append({"system": name, "seconds": elapsed, "output_tok_s": num_out / elapsed, "total_tok_s": num_total / elapsed, **extra})
+    rows = rows[len(external):] + rows[:len(external)]
     if args.plot:
         from pagedserve.bench.plots import plot_latency_curve
 
@@ -207,6 +229,10 @@ def run(args: argparse.Namespace) -> int:
         ttft = f"{t['mean_ms'] / 1000:.2f}/{t['median_ms'] / 1000:.2f}/{t['p99_ms'] / 1000:.2f}" if t else "-"
         print(f"{r['system']:30} {r['seconds']:8.1f} {r['output_tok_s']:10.1f} {r['total_tok_s']:12.1f} "
               f"{base['output_tok_s'] / r['output_tok_s']:13.2f} {ttft:>24}")
+    for r in rows:
+        if "peer_version" in r:
+            print(f"{r['system']}: {r['peer_version']}; total tok/s pagedserve {base['total_tok_s']:.1f} / "
+                  f"{r['system']} {r['total_tok_s']:.1f} = {base['total_tok_s'] / r['total_tok_s']:.2f}x")
     for r in rows:
         if spec := r.get("speculative"):
             print(f"{r['system']}: {spec['proposer']} proposed {spec['proposed']}, verified {spec['verified']}, "

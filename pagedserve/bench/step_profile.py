@@ -45,6 +45,11 @@ class StepProfile:
     attention: float = 0.0
     other_model: float = 0.0  # the forward's other ops (norms, rotary, activation, KV store, ...)
     lm_head: float = 0.0  # the LM head, part of `linear` and of `stages["sample"]`
+    #: tensor parallelism (0 with one rank): rank 0's time in the all-reduces after the
+    #: row-parallel layers and the embedding (waiting for the slowest rank included; the LM
+    #: head's gather stays in `lm_head`), and in broadcasting the step's inputs
+    all_reduce: float = 0.0
+    broadcast: float = 0.0
 
     @property
     def host_overhead(self) -> float:
@@ -55,6 +60,7 @@ class StepProfile:
         s = self.stages
         return [("linear layers", self.linear), ("attention", self.attention), ("other model ops", self.other_model),
                 ("schedule", s["schedule"]), ("prepare inputs", s["prepare"]),
+                ("all-reduce (TP)", self.all_reduce), ("step broadcast (TP)", self.broadcast),
                 ("sample (without LM head)", max(s["sample"] - self.lm_head, 0.0)), ("output", s["output"])]
 
 
@@ -130,6 +136,9 @@ def profile_decode(engine, batch_size: int, prompt_len: int = 128, steps: int = 
     use_fused = fused is not None and batch_size <= fused.max_batch
     timers = _Timers()
     profile = StepProfile(batch_size=batch_size, fused=use_fused, steps=steps)
+    ranks = engine.runner.ranks
+    if ranks is not None:
+        ranks.group.comm_seconds = ranks.broadcast_seconds = 0.0
     with _instrumented(engine, timers):
         if use_fused:
             fused.set_profile(True)
@@ -158,7 +167,9 @@ def profile_decode(engine, batch_size: int, prompt_len: int = 128, steps: int = 
     else:
         forward_linear, profile.attention = t.get("linear", 0.0) / steps, t.get("attention", 0.0) / steps
     profile.linear = forward_linear + profile.lm_head
-    profile.other_model = max(profile.stages["forward"] - forward_linear - profile.attention, 0.0)
+    if ranks is not None:
+        profile.all_reduce, profile.broadcast = ranks.group.comm_seconds / steps, ranks.broadcast_seconds / steps
+    profile.other_model = max(profile.stages["forward"] - forward_linear - profile.attention - profile.all_reduce, 0.0)
     return profile
 
 
@@ -183,14 +194,16 @@ def run_profile(args) -> int:
     from pagedserve import LLM
 
     batches = [int(b) for b in str(args.profile_batches).split(",")]
-    print(f"model={args.model} dtype={args.dtype} threads={args.threads} torch={torch.__version__} "
+    tp = getattr(args, "tensor_parallel_size", 1)
+    print(f"model={args.model} dtype={args.dtype} threads={args.threads} tensor_parallel_size={tp} "
+          f"torch={torch.__version__} "
           f"prompt={args.profile_prompt} tokens, {args.profile_steps} decode steps per batch")
     for eager in (False, True):
         llm = LLM(args.model, dtype=args.dtype, enforce_eager=eager, max_num_seqs=max(batches),
-                  enable_prefix_caching=False)
+                  enable_prefix_caching=False, tensor_parallel_size=tp)
         profile_decode(llm.engine, 1, args.profile_prompt, 4, seed=99)  # warm-up
         profiles = [profile_decode(llm.engine, b, args.profile_prompt, args.profile_steps) for b in batches]
         print(f"\n{'eager (--enforce-eager)' if eager else 'default'}:")
         print(format_profiles(profiles))
-        del llm
+        llm.close()
     return 0

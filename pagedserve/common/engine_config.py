@@ -84,8 +84,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     attention_backend: str = "auto"  # auto (triton on CUDA, cpu on CPU) | torch | cpu | triton
     enforce_eager: bool = False  # every step through the model's forward: no CUDA graphs, no fused CPU decode
     cuda_graph_max_batch: int = 256  # decode batches up to this size (and max_num_seqs) use graphs
-    #: CPU float32: decode-only steps of up to this many sequences run in the fused C++ step
-    #: (kernels/cpu_decode.py); 0 turns it off
+    #: CPU float32: decode-only steps of up to this many rows run in the fused C++ step
+    #: (kernels/cpu_decode.py; its scratch grows with the largest step run, up to this); 0 turns it off.
+    #: 16: at batch 64 the fused step measured 496 ms against the eager forward's 451 (one thread,
+    #: AMD EPYC with AVX-512, 2026-11-26): torch's BLAS beats our batch-invariant kernels at the
+    #: default model's width 576. Larger values keep a row's bits independent of its batch at
+    #: every decode size (the eager forward's BLAS does not), at that cost
     fused_decode_max_batch: int = 16
     #: weight quantization at load time: an entry point in pagedserve.quantization (int8:
     #: weight-only int8, one scale per output channel); None: the checkpoint's float weights
@@ -131,7 +135,14 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     #: append the tokens the grammar forces (a key name, `": "`) in the step that reaches
     #: them, instead of one per step; the ids are the same either way
     structured_output_jump_forward: bool = True
-    num_threads: int | None = None  # torch CPU threads; None: torch's default
+    num_threads: int | None = None  # torch CPU threads (per rank); None: torch's default (split over the ranks)
+    #: tensor parallelism: ranks (devices) one worker splits the model across; 1: none, no process
+    #: is spawned (engine/tensor_parallel.py). On CUDA rank i runs on the i-th GPU from --device's
+    tensor_parallel_size: int = 1
+    #: seconds a step's collective waits for a rank before the worker goes down (a rank hung or died)
+    tensor_parallel_timeout: float = 10.0
+    #: seconds the ranks have to start and load their shards
+    tensor_parallel_start_timeout: float = 300.0
 
     def token_budget(self, device_type: str = "cpu", num_threads: int | None = None) -> int:
         """The step token budget: the one given, else the device type's default (on CPU, at
@@ -199,6 +210,13 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise InvalidParameterError("structured_output_compile_timeout", "must be > 0 seconds")
         if self.max_structured_output_chars < 1:
             raise InvalidParameterError("max_structured_output_chars", "must be >= 1")
+        if self.tensor_parallel_size < 1:
+            raise InvalidParameterError("tensor_parallel_size", "must be >= 1 (1: no tensor parallelism)")
+        if self.tensor_parallel_timeout <= 0 or self.tensor_parallel_start_timeout <= 0:
+            raise InvalidParameterError("tensor_parallel_timeout", "the tensor-parallel timeouts must be > 0 seconds")
+        if self.tensor_parallel_size > 1 and self.kv_tier_memory:
+            raise InvalidParameterError("kv_tier_memory", "the KV tier holds unsharded blocks: it does not work "
+                                        "with tensor_parallel_size > 1 yet")
         if self.quantization is not None:
             methods = quantization_methods()
             if self.quantization not in methods:

@@ -18,9 +18,10 @@ import math
 import re
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+from pagedserve.common.contracts.parallel import tensor_parallel_sizes_problem
 from pagedserve.common.errors import InvalidParameterError
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "fp8_e4m3": 1, "int8": 1}
@@ -59,6 +60,8 @@ class ModelShape:
     num_parameters: int  # counted from the safetensors headers, else estimated from the config
     num_linear_parameters: int = 0  # of those, the weights of the decoder layers' linear layers
     num_linear_outputs: int = 0  # their output channels (one scale each when quantized)
+    num_heads: int = 0  # query heads (0: unknown), for the tensor-parallel size check
+    intermediate_size: int = 0  # the MLP's (0: unknown)
     linear_layers: tuple[tuple[int, int], ...] = ()  # (inputs, outputs) of each linear layer of one decoder layer
     #: a GPTQ / AWQ checkpoint's int4 layout as it loads (group size, zero points); None: a float checkpoint
     prequantized: tuple[int, bool] | None = None
@@ -80,8 +83,26 @@ class ModelShape:
         params = ((_count_safetensors(config_file.parent) if prequantized is None else None)
                   or _estimate_parameters(cfg, head_dim, kv_heads))
         linear, outputs = _linear_shapes(cfg, head_dim, kv_heads)
-        return cls(cfg["num_hidden_layers"], kv_heads, head_dim, params, linear, outputs,
-                   _linear_layers(cfg, head_dim, kv_heads), prequantized)
+        return cls(cfg["num_hidden_layers"], kv_heads, head_dim, params, linear, outputs, heads,
+                   cfg.get("intermediate_size", 0), _linear_layers(cfg, head_dim, kv_heads), prequantized)
+
+    def on_rank(self, tensor_parallel_size: int) -> ModelShape:
+        """One rank's share under tensor parallelism: its KV heads (one, replicated, when
+        there are fewer than ranks) and about 1/N of the weights (the norms, which every rank
+        holds whole, are a rounding error)."""
+        if tensor_parallel_size == 1:
+            return self
+        if self.num_heads and self.intermediate_size:
+            problem = tensor_parallel_sizes_problem(tensor_parallel_size, num_heads=self.num_heads,
+                                                    num_kv_heads=self.num_kv_heads,
+                                                    intermediate_size=self.intermediate_size)
+            if problem is not None:
+                raise InvalidParameterError("tensor_parallel_size", problem)
+        n = tensor_parallel_size
+        return replace(self, num_kv_heads=max(1, self.num_kv_heads // n), num_parameters=-(-self.num_parameters // n),
+                       num_linear_parameters=-(-self.num_linear_parameters // n),
+                       num_linear_outputs=-(-self.num_linear_outputs // n),
+                       linear_layers=tuple((k, -(-out // n)) for k, out in self.linear_layers))
 
     def kv_bytes_per_row(self, kv_dtype: str) -> int:
         """One token's K (or V) of one KV head: head_dim elements, and an int8 row's scale."""
@@ -182,6 +203,7 @@ class Plan:
     kv_budget_bytes: int  # memory left for the KV cache once the weights are in
     max_sequences_at_context: int  # concurrent sequences that each reach the full context
     num_blocks: int
+    tensor_parallel_size: int  # devices the model is split across; the bytes above are per device
     # Given a length distribution: sequences that fit when each reserves the full context,
     # against sequences that fit when each holds only the blocks its length needs.
     sequences_reserving_context: int | None = None
@@ -205,6 +227,7 @@ def plan(
     reserved_fraction: float = 0.0,
     lengths: Sequence[int] | None = None,
     quantization: str | None = None,
+    tensor_parallel_size: int = 1,
 ) -> Plan:
     """Capacity of `memory_bytes` for this model at `context` tokens per sequence.
 
@@ -213,7 +236,12 @@ def plan(
     `quantization` (int8, int4, int4_g128, int4_asym, int4_g128_asym) counts the linear
     layers' weights quantized (a GPTQ / AWQ checkpoint's are, without it); `kv_dtype` int8
     counts head_dim + 4 bytes per row (its float32 scale), fp8_e4m3 head_dim bytes.
+    `tensor_parallel_size` N splits the weights and the KV heads over N devices of
+    `memory_bytes` each: the bytes are per device, the sequences the whole worker's.
     """
+    if tensor_parallel_size < 1:
+        raise InvalidParameterError("tensor_parallel_size", "must be >= 1")
+    shape = shape.on_rank(tensor_parallel_size)
     methods = [*WEIGHT_QUANTIZATION_BYTES, *INT4_METHODS]
     if quantization is not None and quantization not in methods:
         raise InvalidParameterError("quantization", f"must be one of {', '.join(methods)}, got {quantization!r}")
@@ -242,6 +270,7 @@ def plan(
     return Plan(
         weight_bytes=weight_bytes, kv_bytes_per_token=per_token, kv_bytes_per_sequence=blocks_per_seq * per_block,
         kv_budget_bytes=budget, max_sequences_at_context=max_sequences, num_blocks=num_blocks,
+        tensor_parallel_size=tensor_parallel_size,
         sequences_reserving_context=max_sequences if lengths else None,
         sequences_paged=sequences_paged, mean_length=mean_length,
     )
@@ -256,6 +285,8 @@ def format_plan(p: Plan, context: int) -> str:
         ("KV cache budget", f"{p.kv_budget_bytes / gib:.2f} GiB ({p.num_blocks} blocks)"),
         ("sequences at full context", f"{p.max_sequences_at_context}"),
     ]
+    if p.tensor_parallel_size > 1:
+        rows.insert(0, ("tensor parallel", f"{p.tensor_parallel_size} devices; weights and KV cache per device"))
     if p.sequences_paged is not None:
         rows += [
             ("mean sequence length", f"{p.mean_length:.1f} tokens"),

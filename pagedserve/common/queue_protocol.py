@@ -47,6 +47,7 @@ import msgspec
 from pagedserve.common.outputs import CompletionDelta
 from pagedserve.common.queue_scripts import ACK_IF_OWNER as ACK_IF_OWNER
 from pagedserve.common.queue_scripts import ADMIT as ADMIT
+from pagedserve.common.queue_scripts import FINISH as FINISH
 from pagedserve.common.queue_scripts import HEARTBEAT as HEARTBEAT
 from pagedserve.common.queue_scripts import RECONCILE as RECONCILE
 from pagedserve.common.queue_scripts import STEAL as STEAL
@@ -205,6 +206,7 @@ class WorkerInfo(msgspec.Struct, kw_only=True):
     num_cancelled: int = 0  # requests aborted because their client went away, since start
     num_taken_over: int = 0  # requests this worker resumed after another worker died
     num_stolen: int = 0  # requests it took from another worker's routed stream, since start
+    draining: bool = False  # stopping (SIGTERM): takes nothing new, hands back what it cannot finish
     # what the gateway needs to compute the block hashes this worker's KV cache uses
     # (prefix_cache.block_hash.prompt_block_hashes); 0 / "": not announced (no cache routing)
     block_size: int = 0  # tokens per KV block

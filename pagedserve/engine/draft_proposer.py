@@ -74,7 +74,8 @@ class DraftProposer(ProposerPlugin):
         self.target_vocab_size: int = AutoConfig.from_pretrained(target_dir).vocab_size
         draft_config = msgspec.structs.replace(
             config, model=str(draft_dir), kv_cache_memory=config.speculative_kv_memory, speculative_method=None,
-            max_num_seqs=min(config.max_num_seqs, config.speculative_max_batch), enable_prefix_caching=False)
+            max_num_seqs=min(config.max_num_seqs, config.speculative_max_batch), enable_prefix_caching=False,
+            tensor_parallel_size=1)  # the small draft runs whole on rank 0
         self.runner = ModelRunner(draft_config, draft_dir, hf_config)
         self.block_size = self.runner.block_size
         self.max_model_len = self.runner.max_model_len

@@ -33,6 +33,7 @@ from pagedserve.engine.model_runner import ModelRunner
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.speculator import Speculator
 from pagedserve.engine.stats_collector import StepStatsCollector
+from pagedserve.engine.tensor_parallel import RankFailure
 from pagedserve.plugins import load_plugin
 from pagedserve.prefix_cache.block_hash import kv_dtype_key
 
@@ -149,10 +150,11 @@ class Engine:
         return delta
 
     def close(self) -> None:
-        """Finish what the KV tier is still writing (the rest of the engine needs no closing)."""
+        """Finish what the KV tier is still writing, and stop the tensor-parallel ranks."""
         if self.kv_tier is not None:
             self.kv_tier.close()
         self.structured.close()
+        self.runner.close()
 
     def has_unfinished_requests(self) -> bool:
         return len(self.output_processor) > 0
@@ -184,6 +186,8 @@ class Engine:
             return failed
         try:
             ran = self.runner.run(scheduled)
+        except RankFailure:
+            raise  # a tensor-parallel rank is gone: the worker goes down as a whole
         except Exception as exc:  # a failed step fails its requests, never the engine loop
             return failed + self._fail(scheduled, exc)
         updates = self.scheduler.update(scheduled, ran)

@@ -32,6 +32,10 @@ class LLM:
         self.engine = Engine(EngineConfig(model=model, **engine_options))
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Stop what the engine started (the tensor-parallel ranks, the KV tier's writes)."""
+        self.engine.close()
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from pagedserve.common.contracts import Kernels, QuantizationPlugin
+from pagedserve.common.contracts import Kernels, ParallelGroup, QuantizationPlugin
 from pagedserve.common.errors import InvalidParameterError
 from pagedserve.plugins import load_plugin
 from pagedserve.plugins.int4_checkpoint import (
@@ -38,20 +38,41 @@ def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
+def model_factory(hf_config):
+    """The `pagedserve.models` plugin named by config.json's `architectures`."""
+    architectures = getattr(hf_config, "architectures", None) or []
+    if not architectures:
+        raise ValueError("the model's config.json names no `architectures`")
+    return load_plugin("models", architectures[0])
+
+
+def check_tensor_parallel(hf_config, world_size: int) -> None:
+    """Refuse a model that cannot be split across `world_size` ranks: one that has not opted
+    in, or whose sizes do not divide (the message names the sizes that would)."""
+    factory = model_factory(hf_config)
+    problem_of = getattr(factory, "tensor_parallel_problem", None)
+    problem = (problem_of(hf_config, world_size) if problem_of is not None
+               else f"{getattr(factory, '__name__', factory)} does not support tensor parallelism")
+    if problem is not None:
+        raise InvalidParameterError("tensor_parallel_size", problem)
+
+
 def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.device, kernels: Kernels,
                load_format: str = "auto", quantization: str | None = None,
-               quantize_lm_head: bool = False) -> torch.nn.Module:
+               quantize_lm_head: bool = False, parallel: ParallelGroup | None = None) -> torch.nn.Module:
     """The `pagedserve.models` plugin named by config.json's `architectures`, with weights:
     the checkpoint's (`auto`), or seeded random ones (`dummy`: a config.json and a
     tokenizer are enough, to measure a model whose weights are not at hand). With
     `quantization`, the `pagedserve.quantization` plugin of that name then quantizes its
-    linear layers."""
-    architectures = getattr(hf_config, "architectures", None) or []
-    if not architectures:
-        raise ValueError(f"{model_dir}/config.json names no `architectures`")
+    linear layers. With `parallel` (tensor parallelism) it holds this rank's shards."""
     prequantized = checkpoint_format(hf_config, quantization) if load_format != "dummy" else None
-    factory = load_plugin("models", architectures[0])
-    model = factory(hf_config, dtype=dtype, device=device, kernels=kernels)
+    if prequantized is not None and parallel is not None:
+        raise InvalidParameterError("tensor_parallel_size", f"a {prequantized.method} checkpoint loads on one rank only")
+    factory = model_factory(hf_config)
+    if parallel is None:
+        model = factory(hf_config, dtype=dtype, device=device, kernels=kernels)
+    else:
+        model = factory(hf_config, dtype=dtype, device=device, kernels=kernels, parallel=parallel)
     if load_format == "dummy":
         dummy_weights(model)
     elif prequantized is not None:

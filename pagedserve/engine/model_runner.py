@@ -14,8 +14,10 @@ from typing import cast
 import msgspec
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from pagedserve.common.contracts import (
+    AttentionBackend,
     AttentionMetadata,
     CausalLMPlugin,
     ModelInput,
@@ -23,6 +25,7 @@ from pagedserve.common.contracts import (
     SamplerPlugin,
     ScheduledRequest,
     SchedulerOutput,
+    kv_head_slice,
 )
 from pagedserve.common.engine_config import EngineConfig
 from pagedserve.common.errors import InvalidParameterError
@@ -31,9 +34,10 @@ from pagedserve.engine.device import resolve_device, resolve_dtype
 from pagedserve.engine.grammar_manager import StructuredOutputManager
 from pagedserve.engine.grammar_sampling import advance, mask_logits
 from pagedserve.engine.kv_cache_pool import KVCachePool, KVCacheSpec, resolve_kv_cache_dtype
-from pagedserve.engine.model_loader import load_model
+from pagedserve.engine.model_loader import check_tensor_parallel, load_model
 from pagedserve.engine.sampling_inputs import SamplingInputs, sampled_logprobs
 from pagedserve.engine.speculator import draft_prefixes, verify
+from pagedserve.engine.tensor_parallel import ShardRanks, TorchParallelGroup, cpu_threads_per_rank
 from pagedserve.kernels.cpu_decode import FusedDecoder, fused_decode_supported
 from pagedserve.kernels.selector import select_kernels
 from pagedserve.plugins import load_plugin
@@ -58,14 +62,32 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # what the kernels' self-check cached is not the KV cache's to lose
         self.attention_backend = self.kernels.attention
+        #: tensor parallelism: ranks 1..N-1 and this rank's group (None with N = 1: nothing spawned)
+        self.ranks: ShardRanks | None = None
+        if config.tensor_parallel_size > 1:
+            check_tensor_parallel(hf_config, config.tensor_parallel_size)  # refused before anything starts
+            if self.device.type == "cpu":
+                torch.set_num_threads(cpu_threads_per_rank(config))
+            self.ranks = ShardRanks(config, model_dir, self.device)
+        try:
+            self._set_up(config, model_dir, hf_config)
+        except BaseException:
+            self.close()  # no rank outlives a runner that failed to start
+            raise
+
+    def _set_up(self, config: EngineConfig, model_dir: Path, hf_config) -> None:
+        """The model, the KV cache and the decode fast path (this rank's shards under TP)."""
+        parallel = self.ranks.group if self.ranks is not None else None
         self.model = load_model(model_dir, hf_config, self.dtype, self.device, self.kernels, config.load_format,
-                                config.quantization, config.quantize_lm_head)
+                                config.quantization, config.quantize_lm_head, parallel)
         self.vocab_size: int = hf_config.vocab_size
         self.block_size = config.block_size
 
-        spec = KVCacheSpec.for_model(hf_config, self.kv_cache_dtype)
+        spec = kv_spec_for_rank(hf_config, self.kv_cache_dtype, parallel)
         self.num_blocks = KVCachePool.num_blocks_for(
             spec, config.block_size, self.device, config.kv_cache_memory, config.gpu_memory_utilization)
+        if self.ranks is not None:
+            self.num_blocks = self.ranks.agree_num_blocks(self.num_blocks)  # what fits the fullest rank
         self.kv_pool = KVCachePool(spec, config.block_size, self.num_blocks, self.device)
         self.kv_caches = self.kv_pool.kv_caches
         max_len = min(config.max_model_len or hf_config.max_position_embeddings, hf_config.max_position_embeddings)
@@ -82,9 +104,13 @@ class ModelRunner:
         self.grammar: StructuredOutputManager | None = None
 
         self.decode_graphs: DecodeGraphs | None = None
+        self.fused_decoder: FusedDecoder | None = None
+        if self.ranks is not None:
+            logger.info("decode steps run eagerly: the fused CPU decode step and the CUDA graphs have no "
+                        "all-reduce between layers (tensor_parallel_size %d)", config.tensor_parallel_size)
+            return
         if self.device.type == "cuda" and self.attention_backend.name == "triton" and not config.enforce_eager:
             self.enable_decode_graphs(min(config.cuda_graph_max_batch, config.max_num_seqs), max_len)
-        self.fused_decoder: FusedDecoder | None = None
         # only with the C++ attention backend: a test or user who chose `torch` or `triton`
         # attention gets those kernels in every step
         if self.attention_backend.name == "cpu" and config.fused_decode_max_batch > 0 and not config.enforce_eager:
@@ -111,9 +137,29 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        if self.ranks is not None:
+            return self._run_ranks(scheduler_output)
         model_input = self.prepare_inputs(scheduler_output.scheduled)
         hidden = self.forward(model_input)
         return self.sample(hidden, model_input, scheduler_output.scheduled)
+
+    def _run_ranks(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        """`run` as rank 0 of N: the step's inputs go to every rank first, which then runs its
+        shard as this one does (engine/shard_runner.py); a collective that fails means a
+        rank died or hung, and raises RankFailure."""
+        assert self.ranks is not None
+        model_input = self.prepare_inputs(scheduler_output.scheduled)
+        self.ranks.send_step(model_input)
+        try:
+            hidden = self.forward(model_input)
+            return self.sample(hidden, model_input, scheduler_output.scheduled)
+        except dist.DistError as exc:
+            raise self.ranks.failure(exc) from exc
+
+    def close(self) -> None:
+        """Stop the other ranks, if any."""
+        if self.ranks is not None:
+            self.ranks.close()
 
     def prepare_inputs(self, entries: list[ScheduledRequest]) -> ModelInput:
         """The step's flat batch on the host: one-token queries first, because the attention
@@ -246,24 +292,38 @@ class ModelRunner:
         return cast(CausalLMPlugin, self.model).compute_logits(selected)
 
     def _tensors(self, batch: ModelInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Input ids, positions and attention metadata on the device, for an eager forward."""
-        dev = self.device
-        query_start = np.zeros(len(batch.query_lens) + 1, dtype=np.int32)
-        np.cumsum(batch.query_lens, out=query_start[1:])
-        metadata = AttentionMetadata(
-            slot_mapping=torch.from_numpy(batch.slots).to(dev),
-            query_start_loc=torch.from_numpy(query_start).to(dev),
-            seq_lens=torch.tensor(batch.seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.from_numpy(batch.block_tables).to(dev),
-            num_decodes=batch.num_decodes,
-            max_seq_len=max(batch.seq_lens),
-            query_lens_cpu=batch.query_lens,
-            seq_lens_cpu=batch.seq_lens,
-            backend=self.attention_backend,
-        )
-        self.attention_backend.prepare(metadata, self.block_size)
-        input_ids = torch.tensor(batch.input_ids, dtype=torch.long, device=dev)
-        return input_ids, torch.from_numpy(batch.positions).to(dev), metadata
+        return step_tensors(batch, self.device, self.attention_backend, self.block_size)
+
+
+def kv_spec_for_rank(hf_config, kv_cache_dtype: torch.dtype, parallel: TorchParallelGroup | None) -> KVCacheSpec:
+    """The KV shape this rank holds: every KV head, or under tensor parallelism its share
+    (one replicated head when there are fewer KV heads than ranks)."""
+    spec = KVCacheSpec.for_model(hf_config, kv_cache_dtype)
+    if parallel is not None:
+        spec.num_kv_heads = kv_head_slice(hf_config.num_attention_heads, spec.num_kv_heads, parallel.rank,
+                                          parallel.world_size).size
+    return spec
+
+
+def step_tensors(batch: ModelInput, dev: torch.device, backend: AttentionBackend, block_size: int,
+                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """Input ids, positions and attention metadata on the device, for an eager forward."""
+    query_start = np.zeros(len(batch.query_lens) + 1, dtype=np.int32)
+    np.cumsum(batch.query_lens, out=query_start[1:])
+    metadata = AttentionMetadata(
+        slot_mapping=torch.from_numpy(batch.slots).to(dev),
+        query_start_loc=torch.from_numpy(query_start).to(dev),
+        seq_lens=torch.tensor(batch.seq_lens, dtype=torch.int32, device=dev),
+        block_tables=torch.from_numpy(batch.block_tables).to(dev),
+        num_decodes=batch.num_decodes,
+        max_seq_len=max(batch.seq_lens),
+        query_lens_cpu=batch.query_lens,
+        seq_lens_cpu=batch.seq_lens,
+        backend=backend,
+    )
+    backend.prepare(metadata, block_size)
+    input_ids = torch.tensor(batch.input_ids, dtype=torch.long, device=dev)
+    return input_ids, torch.from_numpy(batch.positions).to(dev), metadata
 
 
 #: the most uncomputed output tokens of one sequence laid out as one-token rows

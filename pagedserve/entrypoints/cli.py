@@ -69,7 +69,8 @@ def _plan(args) -> int:
         else:
             lengths = [int(x) for x in args.lengths.split(",")]
     result = plan(ModelShape.from_path(args.model), parse_bytes(args.memory), args.context, args.dtype,
-                  args.kv_dtype, args.block_size, args.reserve, lengths, args.quantization)
+                  args.kv_dtype, args.block_size, args.reserve, lengths, args.quantization,
+                  args.tensor_parallel_size)
     print(format_plan(result, args.context))
     return 0
 
@@ -223,6 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="KV cache element type (default: --dtype); int8 rows count their float32 scale, fp8_e4m3 none")
     pl.add_argument("--quantization", default=None, help="weights: int8 (linear layers, per-channel scales), int4, int4_g128, int4_asym, int4_g128_asym (groups of 32 or 128 inputs; _asym: zero points)")
     pl.add_argument("--block-size", type=int, default=16)
+    pl.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="devices the model is split across (--memory is each one's)")
     pl.add_argument("--reserve", type=float, default=0.0, help="share of memory kept for activations")
     pl.add_argument("--lengths", default=None, help="typical sequence lengths: 'uniform:LO:HI' or '100,900,...'")
     pl.set_defaults(func=_plan)

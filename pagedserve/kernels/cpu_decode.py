@@ -2,11 +2,13 @@
 
 The CPU counterpart of the decode CUDA graphs: a decode step of a few sequences is almost
 all weight reads and host work between them. `FusedDecoder` runs the whole forward of such
-a step in csrc/cpu_decode.cpp — its own matrix-vector products, which read the weights at
-about twice the speed of torch's batch-1 `F.linear`, and the element-wise work in the same
-loops, with no Python or aten calls per layer. The runner uses it for decode-only steps of
-up to `fused_decode_max_batch` sequences; every other step (prefill chunks, mixed or larger
-batches) runs the model's own `forward`.
+a step in csrc/cpu_decode.cpp — its own matrix products, which read the weights at about
+twice the speed of torch's batch-1 `F.linear` and, from 8 rows, run in register tiles
+(same bits, batch-invariant), and the element-wise work in the same loops, split across
+threads by rows in large steps, with no Python or aten calls per layer. The runner uses it
+for decode-only steps of up to `fused_decode_max_batch` rows (16 by default; it runs any
+number, but at batch 64 it measured slower than the eager forward, see EngineConfig); every other step (prefill chunks, mixed batches)
+runs the model's own `forward`.
 
 With int8 weights (`EngineConfig.quantization`), the projections whose `DecoderLayerWeights`
 carry a scale run the int8 GEMV of the same file (and the LM head too when it is int8).

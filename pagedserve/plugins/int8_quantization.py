@@ -16,6 +16,7 @@ same registry when the worker has registered it, and plain torch (dequantize, th
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -59,12 +60,16 @@ def _cpu_op(name: str) -> Any:
     return getattr(torch.ops.pagedserve, name, None) if hasattr(torch.ops, "pagedserve") else None
 
 
-def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_per_channel(weight: torch.Tensor, reduce_amax: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 weight [out, in], float32 scale [out]) of a float weight [out, in]: symmetric,
     one scale per output row, |dequantized - weight| <= scale / 2 per element. An all-zero
-    row gets scale 1 (its int8 row is zero)."""
+    row gets scale 1 (its int8 row is zero). `reduce_amax`: for a shard of the input columns
+    (a row-parallel layer), each row's max |w| over the whole row, from this shard's."""
     w = weight.detach().float()
     amax = w.abs().amax(dim=1)
+    if reduce_amax is not None:
+        amax = reduce_amax(amax)
     scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
     q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
     return q, scale
@@ -81,9 +86,10 @@ class Int8Linear(nn.Module):
     weight: torch.Tensor
     weight_scale: torch.Tensor
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
+                 reduce_amax: Callable[[torch.Tensor], torch.Tensor] | None = None):
         super().__init__()
-        q, scale = quantize_per_channel(weight)
+        q, scale = quantize_per_channel(weight, reduce_amax)
         self.in_features = weight.shape[1]
         self.out_features = weight.shape[0]
         self.dtype = dtype  # the activations' (the model's) dtype
@@ -92,8 +98,9 @@ class Int8Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> Int8Linear:
-        return cls(linear.weight, linear.bias, linear.weight.dtype)
+    def from_linear(cls, linear: nn.Linear,
+                    reduce_amax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Int8Linear:
+        return cls(linear.weight, linear.bias, linear.weight.dtype, reduce_amax)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -131,10 +138,13 @@ class Int8Quantization(QuantizationPlugin):
         float_bytes = quantized_bytes = 0
         for name, linear in targets:
             float_bytes += linear.weight.numel() * linear.weight.element_size()
-            new = Int8Linear.from_linear(linear)
-            quantized_bytes += new.weight.numel() + new.weight_scale.numel() * 4
             parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, child, new)
+            owner = model.get_submodule(parent) if parent else model
+            # a row-parallel layer holds a shard of each row: its scales are the whole row's
+            # (contracts/parallel.py), so every rank's int8 shard is the unsplit layer's
+            new = Int8Linear.from_linear(linear, getattr(owner, "reduce_row_amax", None))
+            quantized_bytes += new.weight.numel() + new.weight_scale.numel() * 4
+            setattr(owner, child, new)
         lm_head = False
         if quantize_lm_head and hasattr(model, "lm_head"):
             head = model.lm_head

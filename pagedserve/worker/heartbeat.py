@@ -3,6 +3,8 @@ it renews the worker's place in the worker set and its `WorkerInfo`, keeps the e
 the requests it runs fresh (so XAUTOCLAIM moves only the entries of a worker that stopped)
 and their admitted markers alive, and collects the entries it finds in another worker's
 hands (`lost_entries`). It beats only while the step loop moves: a frozen loop looks dead.
+`others_accepting` reads the other workers' heartbeats: whether a draining worker has
+anyone to hand its requests back to.
 """
 
 from __future__ import annotations
@@ -11,16 +13,21 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import cast
 
 import redis
 
 from pagedserve.common import queue_protocol as q
-from pagedserve.common.queue_protocol import WorkerInfo, encode
+from pagedserve.common.queue_protocol import WorkerInfo, decode_worker_info, encode
 from pagedserve.common.serve_config import ServeConfig
 
 logger = logging.getLogger(__name__)
+
+#: the idle time `release` gives an entry (ms): above any worker_timeout
+_RELEASED_IDLE_MS = 30 * 24 * 3600 * 1000
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +61,30 @@ class Heartbeat:
         while not self._lost.empty():
             lost.add(self._lost.get())
         return lost
+
+    def others_accepting(self) -> bool:
+        """Whether another live worker takes requests (its heartbeat is fresh and it is not
+        draining). Unreadable Redis: False (nobody to hand requests to)."""
+        try:
+            ids = cast("list[bytes]", self.redis.zrangebyscore(q.WORKERS, time.time(), "+inf"))
+            others = [i.decode() for i in ids if i.decode() != self.worker_id]
+            blobs = cast("list[bytes | None]", self.redis.mget([q.worker_key(i) for i in others])) if others else []
+        except redis.RedisError as exc:
+            logger.warning("worker %s: cannot read the other workers' heartbeats: %s", self.worker_id, exc)
+            return False
+        return any(blob is not None and not decode_worker_info(blob).draining for blob in blobs)
+
+    def release(self, entries: Iterable[tuple[str, str]]) -> None:
+        """Make these entries (stream, entry id) of this worker claimable at once: their idle
+        time set as if their owner had been silent for weeks, so the next XAUTOCLAIM of another
+        worker takes them without waiting worker_timeout. JUSTID: their delivery count stays."""
+        pipe = self.redis.pipeline(transaction=False)
+        for stream, entry_id in entries:
+            pipe.xclaim(stream, q.GROUP, self.worker_id, 0, [entry_id], idle=_RELEASED_IDLE_MS, justid=True)
+        try:
+            pipe.execute()
+        except redis.RedisError as exc:  # they move after worker_timeout all the same
+            logger.warning("worker %s: releasing its entries failed: %s", self.worker_id, exc)
 
     def start(self, info: Callable[[], WorkerInfo], alive: Callable[[], bool] = lambda: True) -> None:
         """Beat every heartbeat_interval while `alive()` (the worker's step loop is moving): a

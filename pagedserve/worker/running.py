@@ -5,7 +5,10 @@ of them ends:
   nothing left to send: a final chunk, then the ack (`end`, `expire_deadlines`);
 - its client went away: aborted, acknowledged, its output deleted (`cancel`);
 - another worker took its entry over (this one stalled): dropped without a word, the other
-  worker reports it (`drop_lost`).
+  worker reports it (`drop_lost`);
+- this worker stops (a drain ran out of time) while others take requests: handed back,
+  dropped without a word or an ack, so that its entry goes idle and another worker takes it
+  over and resumes it from what the client has been sent (`hand_back`).
 Each change hands the heartbeat the entries it keeps fresh.
 """
 
@@ -54,6 +57,7 @@ class RunningRequests(Mapping[str, Running]):
         self._runs: dict[str, Running] = {}  # by request id
         self.num_cancelled = 0
         self.num_taken_over = 0
+        self.num_handed_back = 0  # left to other workers when a drain ran out of time
 
     def __getitem__(self, request_id: str) -> Running:
         return self._runs[request_id]
@@ -82,9 +86,9 @@ class RunningRequests(Mapping[str, Running]):
             deltas = out.deltas
             if out.finished:
                 error = None if out.error is None else WireError(message=out.error, code="engine_error")
-                self.outbox.send(run.request_id, Chunk(attempt=run.attempt, deltas=deltas, done=True, error=error,
-                                                       num_cached_tokens=out.num_cached_tokens))
-                self.outbox.ack(run.stream, run.entry_id)
+                self.outbox.finish(run.request_id, Chunk(attempt=run.attempt, deltas=deltas, done=True, error=error,
+                                                         num_cached_tokens=out.num_cached_tokens),
+                                   run.stream, run.entry_id)
                 self._runs.pop(run.request_id, None)
                 self._owned_changed()
             elif deltas:
@@ -95,8 +99,7 @@ class RunningRequests(Mapping[str, Running]):
         self.traces.error(run.request_id, error, started)
         if started:
             self._forget(run)
-        self.outbox.send(run.request_id, Chunk(attempt=run.attempt, done=True, error=error))
-        self.outbox.ack(run.stream, run.entry_id)
+        self.outbox.finish(run.request_id, Chunk(attempt=run.attempt, done=True, error=error), run.stream, run.entry_id)
 
     def cancel(self, request_ids: Iterable[str]) -> None:
         """These requests' clients went away."""
@@ -114,6 +117,12 @@ class RunningRequests(Mapping[str, Running]):
         for run in [r for r in self._runs.values() if (r.stream, r.entry_id) in lost]:
             logger.warning("request %s was taken over by another worker; dropping it here", run.request_id)
             self._forget(run, record=False)  # the worker that took it over counts it
+
+    def hand_back(self, run: Running) -> None:
+        """Leave this request to another worker: no final chunk, no ack (see the module's doc)."""
+        logger.warning("request %s handed back to the queue: this worker stops before it finished", run.request_id)
+        self.num_handed_back += 1
+        self._forget(run, record=False)  # the worker that takes it over counts it
 
     def expire_deadlines(self) -> None:
         now = time.time()

@@ -28,6 +28,7 @@ from pagedserve.common.queue_protocol import WorkerInfo
 from pagedserve.common.serve_config import ServeConfig
 from pagedserve.common.step_stats import FinishedRequestStats, StepStats
 from pagedserve.engine.engine import Engine
+from pagedserve.engine.tensor_parallel import RankFailure
 from pagedserve.prefix_cache.publisher import KVEventPublisher
 from pagedserve.telemetry.metrics import WorkerMetrics, serve_metrics
 from pagedserve.telemetry.tracing import Tracing
@@ -90,6 +91,9 @@ class WorkerService:
                 if self.queue.wait(backoff):
                     break
                 backoff = min(backoff * 2, 2.0)
+            except RankFailure as exc:  # the worker is its ranks: it goes down whole, the queue moves its requests
+                logger.error("worker %s stops: %s", self.worker_id, exc)
+                raise
             except Exception:  # a bug in one pass must not end the worker and its requests
                 logger.exception("worker loop error; going on")
                 if self.queue.wait(0.5):
@@ -115,8 +119,7 @@ class WorkerService:
                 self.queue.outbox.flush()  # their final chunks and acks, written before leaving
                 return False
             if self.drain.expired():
-                for run in list(self.running.values()):
-                    self.running.end(run, shutdown_error())
+                self._end_unfinished()
                 self._observe(None)
                 self.queue.outbox.flush()
                 return False
@@ -131,6 +134,23 @@ class WorkerService:
         self._observe(step)
         self.queue.outbox.flush()
         return True
+
+    def _end_unfinished(self) -> None:
+        """The drain's time is up: hand the running requests back to the queue when another
+        worker takes requests (a scale-down: it resumes them), else end each with an error (the
+        whole server stops)."""
+        hand_back = self.config.drain_hand_back and self.queue.heartbeat.others_accepting()
+        logger.info("worker %s: drain timeout; %s %d request(s)", self.worker_id,
+                    "handing back" if hand_back else "ending", len(self.running))
+        runs = list(self.running.values())
+        for run in runs:
+            if hand_back:
+                self.running.hand_back(run)
+            else:
+                self.running.end(run, shutdown_error())
+        if hand_back:
+            self.queue.outbox.flush()  # what the clients were sent goes first: the taker resumes from it
+            self.queue.heartbeat.release((run.stream, run.entry_id) for run in runs)
 
     def _observe(self, step: StepStats | None) -> None:
         """Hand what the engine did (this pass's step, None if it ran none; the requests that
@@ -162,7 +182,7 @@ class WorkerService:
             num_cancelled=self.running.num_cancelled, num_taken_over=self.running.num_taken_over,
             num_waiting=self.engine.scheduler.num_waiting, num_stolen=self.queue.reader.num_stolen,
             block_size=kv.block_size, kv_model_id=kv.model_id, kv_dtype=kv.kv_dtype,
-            activity=self.totals.snapshot(),
+            activity=self.totals.snapshot(), draining=self.drain.active,
         )
 
 

@@ -164,3 +164,22 @@ def test_plan_cli_takes_int4(config_file, capsys):
     assert "weights" in capsys.readouterr().out
     with pytest.raises(InvalidParameterError, match="int4_g128_asym, got 'int3'"):
         plan(ModelShape.from_path(config_file(LLAMA3_70B)), 80 * GIB, 4096, quantization="int3")
+
+
+def test_llama3_70b_split_over_four_devices(config_file, capsys):
+    """Tensor parallelism: each of 4 devices holds a quarter of the weights and 2 of the 8 KV heads."""
+    shape = ModelShape.from_path(config_file(LLAMA3_70B))
+    p = plan(shape, 80 * GIB, 4096, tensor_parallel_size=4)
+    assert p.weight_bytes == 2 * (70_553_706_496 // 4)
+    assert p.kv_bytes_per_token == 2 * 80 * 2 * 128 * 2  # 2 KV heads per device
+    assert p.kv_bytes_per_sequence == 4096 * 2 * 80 * 2 * 128 * 2 == 0.3125 * GIB
+    assert p.num_blocks == (80 * GIB - 2 * (70_553_706_496 // 4)) // (2 * 80 * 2 * 128 * 2 * 16)
+    assert plan(shape, 80 * GIB, 4096, tensor_parallel_size=16).kv_bytes_per_token == 2 * 80 * 1 * 128 * 2  # replicated
+    with pytest.raises(InvalidParameterError, match=r"tensor_parallel_size 3 does not divide num_attention_heads "
+                                                    r"\(64\).*sizes that work for this model: 1, 2, 4, 8, 16, 32, 64$"):
+        plan(shape, 80 * GIB, 4096, tensor_parallel_size=3)
+    assert main(["plan", "--model", str(config_file(LLAMA3_70B)), "--memory", "80GiB", "--context", "4096",
+                 "--tensor-parallel-size", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "tensor parallel                       4 devices; weights and KV cache per device" in out
+    assert "weights                               32.85 GiB" in out

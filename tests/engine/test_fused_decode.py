@@ -60,6 +60,32 @@ def test_batches_beyond_the_fused_limit_run_eagerly_with_the_same_ids(tiny_check
     assert_pool_clean(small.engine)
 
 
+def test_large_decode_batches_run_fused_with_the_eager_ids(tiny_checkpoint):
+    """With the limit raised to 256, 24 sequences decode together (row groups and register tiles,
+    rows split across threads) in the fused step, with the ids of the eager engine."""
+    model_dir = str(tiny_checkpoint("llama-gqa"))
+    prompts = mixed_prompts(24, seed=7)
+    lengths = [6 + i % 5 for i in range(24)]
+    options = dict(kv_cache_memory=1 << 23, max_num_batched_tokens=2048)
+    expected = _greedy(LLM(model_dir, enforce_eager=True, **options), prompts, lengths)
+    llm = LLM(model_dir, fused_decode_max_batch=256, **options)
+    fused = llm.engine.runner.fused_decoder
+    assert fused is not None and fused.max_batch == 256
+    runner = llm.engine.runner
+    decode_batches = []
+    prepare = runner.prepare_inputs
+
+    def recording(entries):
+        batch = prepare(entries)
+        if batch.num_decodes == len(batch.query_lens):
+            decode_batches.append(batch.num_decodes)
+        return batch
+
+    runner.prepare_inputs = recording
+    assert _greedy(llm, prompts, lengths) == expected
+    assert max(decode_batches) == 24 and fused.num_steps == len(decode_batches)
+
+
 def test_one_request_decodes_in_the_fused_step(tiny_checkpoint):
     model_dir = str(tiny_checkpoint("qwen2"))
     prompt = mixed_prompts(4, seed=1)[0]

@@ -52,6 +52,74 @@ def test_small_linear_rows_are_batch_invariant(k, n):
     torch.testing.assert_close(kernels.small_linear(x, w).double(), exact, rtol=1e-5, atol=1e-4 * k ** 0.5)
 
 
+#: row counts across the switch from row groups to register tiles and every tile remainder
+MANY_ROWS = [1, 2, 4, 6, 7, 8, 9, 12, 16, 17, 23, 31, 32, 45, 64, 79, 80]
+
+
+@pytest.fixture
+def tile_rows():
+    """Set from how many rows the products run in register tiles; restored afterwards."""
+    kernels = cpu_kernels()
+    default = kernels.set_linear_tile_rows(1, 1)
+    kernels.set_linear_tile_rows(*default)
+    yield lambda rows: kernels.set_linear_tile_rows(rows, 1)
+    kernels.set_linear_tile_rows(*default)
+
+
+@pytest.mark.parametrize(("k", "n"), [(576, 960), (1536, 65), (200, 131), (70, 7), (1, 5), (80, 12)])
+def test_register_tiles_give_the_row_groups_bits_at_every_row_count(tile_rows, k, n):
+    """Tiles and row groups are two schedules of the same sums: every row bitwise equal, for
+    row counts that leave every tile remainder (rows and weight rows), K off multiples of 64
+    and 16 and N odd; and each row of an 80-row call is the row computed alone."""
+    g = torch.Generator().manual_seed(k + n)
+    x, w, bias = torch.randn(90, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    kernels = cpu_kernels()
+    tile_rows(1 << 30)  # row groups only
+    alone = torch.cat([kernels.small_linear(x[r:r + 1], w, bias) for r in range(x.shape[0])])
+    for m in MANY_ROWS:
+        assert torch.equal(kernels.small_linear(x[:m], w, bias), alone[:m]), ("groups", m)
+    tile_rows(1)  # tiles from one row
+    for m in MANY_ROWS:
+        for start in (0, 90 - m):
+            assert torch.equal(kernels.small_linear(x[start:start + m], w, bias), alone[start:start + m]), ("tiles", m)
+    exact = x.double() @ w.double().T + bias.double()
+    torch.testing.assert_close(kernels.small_linear(x, w, bias).double(), exact, rtol=1e-5, atol=1e-4 * k ** 0.5)
+
+
+def test_rows_are_batch_invariant_up_to_80_rows_at_the_default_switch():
+    """With the kernel's own choice of row groups or tiles per call: rows alone and among up to
+    80 others, on the default model's down_proj shape (deep enough for tiles)."""
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(90, 1536, generator=g), torch.randn(576, 1536, generator=g)
+    kernels = cpu_kernels()
+    alone = torch.cat([kernels.small_linear(x[r:r + 1], w) for r in range(x.shape[0])])
+    for m in MANY_ROWS:
+        assert torch.equal(kernels.small_linear(x[90 - m:], w), alone[90 - m:]), m
+
+
+def test_int8_float_path_tiles_are_batch_invariant(tile_rows):
+    """int8 weights widened to float in the tiles (the float path): the row groups' bits."""
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(40, 200, generator=g)
+    q = torch.randint(-127, 128, (37, 200), generator=g, dtype=torch.int8)
+    scale = torch.rand(37, generator=g) * 1e-2
+    kernels = cpu_kernels()
+    previous = kernels.set_int8_kernel("float")
+    try:
+        tile_rows(1 << 30)
+        alone = torch.cat([kernels.small_linear_int8(x[r:r + 1], q, scale) for r in range(x.shape[0])])
+        tile_rows(1)
+        for m in (1, 5, 13, 40):
+            assert torch.equal(kernels.small_linear_int8(x[:m], q, scale), alone[:m]), m
+    finally:
+        kernels.set_int8_kernel(previous)
+
+
+def test_set_linear_tile_rows_refuses_zero():
+    with pytest.raises(RuntimeError, match="at least 1 row"):
+        cpu_kernels().set_linear_tile_rows(0, 1)
+
+
 def test_small_linear_refuses_other_dtypes():
     with pytest.raises(RuntimeError, match="float32 only"):
         cpu_kernels().small_linear(torch.randn(1, 8, dtype=torch.bfloat16), torch.randn(4, 8, dtype=torch.bfloat16))

@@ -103,8 +103,11 @@ def test_workers_scale_and_expose_metrics_and_traces(compose, name):
 def test_the_gpu_worker_reserves_a_gpu_and_the_cpu_worker_none(compose):
     gpu, cpu = compose["services"]["worker"], compose["services"]["worker-cpu"]
     assert gpu["profiles"] == ["gpu"]
+    tp = "${PAGEDSERVE_TENSOR_PARALLEL_SIZE:-1}"  # a worker split over N GPUs reserves N
     assert gpu["deploy"]["resources"]["reservations"]["devices"] == [
-        {"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
+        {"driver": "nvidia", "count": tp, "capabilities": ["gpu"]}]
+    assert gpu["environment"]["PAGEDSERVE_TENSOR_PARALLEL_SIZE"] == tp
+    assert (resolve(tp), resolve(tp, {"PAGEDSERVE_TENSOR_PARALLEL_SIZE": "4"})) == ("1", "4")
     assert gpu["environment"]["PAGEDSERVE_DEVICE"] == "cuda"
     assert gpu["build"]["args"]["BASE_IMAGE"] == "${CUDA_BASE_IMAGE:-nvidia/cuda:12.8.1-runtime-ubuntu24.04}"
     assert cpu["profiles"] == ["cpu"]

@@ -21,6 +21,14 @@ from pagedserve.common.contracts.model import (
     KernelOps,
     Kernels,
 )
+from pagedserve.common.contracts.parallel import (
+    ParallelGroup,
+    RowSlice,
+    even_slice,
+    kv_head_slice,
+    padded_shard_size,
+    tensor_parallel_sizes_problem,
+)
 from pagedserve.common.contracts.quantization import QuantizationPlugin, QuantizationReport
 from pagedserve.common.contracts.request import Request, RequestStatus
 from pagedserve.common.contracts.routing import (
@@ -87,6 +95,7 @@ __all__ = [
     "KernelOps",
     "Kernels",
     "ModelInput",
+    "ParallelGroup",
     "PrefixHit",
     "PrefixLookup",
     "ProposerPlugin",
@@ -97,6 +106,7 @@ __all__ = [
     "RequestOutput",
     "RequestStatus",
     "RouteDecision",
+    "RowSlice",
     "RouteReason",
     "RouterPlugin",
     "RoutingInput",
@@ -112,4 +122,8 @@ __all__ = [
     "StructuredOutputBackend",
     "StructuredOutputsParams",
     "WorkerCandidate",
+    "even_slice",
+    "kv_head_slice",
+    "padded_shard_size",
+    "tensor_parallel_sizes_problem",
 ]

@@ -167,7 +167,9 @@ class CausalLMPlugin(ABC):
     """A model architecture, keyed by its `architectures` name in config.json.
 
     Built by `factory(hf_config, dtype=..., device=..., kernels=Kernels)`; must be usable as
-    a torch module.
+    a torch module. A model that opts in to tensor parallelism (`tensor_parallel_problem`)
+    is also built with `parallel=ParallelGroup` (contracts/parallel.py) when the worker runs
+    more than one rank, and then holds only its rank's shard of each split weight.
     """
 
     API_VERSION = API_VERSION
@@ -189,6 +191,12 @@ class CausalLMPlugin(ABC):
     @abstractmethod
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load from an iterable of (checkpoint tensor name, tensor)."""
+
+    @classmethod
+    def tensor_parallel_problem(cls, hf_config: Any, world_size: int) -> str | None:
+        """Why this model cannot be split across `world_size` ranks (None: it can, and its
+        factory takes `parallel=`). The default: it has not opted in."""
+        return f"{cls.__name__} does not support tensor parallelism (it has not opted in)"
 
     def decoder_weights(self) -> DecoderWeights | None:
         """The weights in the Llama layout, if this model has it: then a worker may run its
