@@ -32,6 +32,12 @@ SCALE_BYTES = 4  # a float32 scale
 #: weight quantization methods `plan` counts: bytes per weight of a linear layer; each
 #: output channel also keeps one float32 scale. Embeddings and the LM head stay in --dtype.
 WEIGHT_QUANTIZATION_BYTES = {"int8": 1}
+#: the int4 methods (plugins/int4_quantization.py): name → (group size, zero points). Each
+#: linear layer's inputs are padded to whole groups; per output row and group it keeps
+#: group / 2 bytes of packed codes, a float32 scale and, with zero points, a uint8 zero point.
+INT4_METHODS = {"int4": (32, False), "int4_g128": (128, False), "int4_asym": (32, True),
+                "int4_g128_asym": (128, True)}
+ZERO_POINT_BYTES = 1
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -56,6 +62,9 @@ class ModelShape:
     num_linear_outputs: int = 0  # their output channels (one scale each when quantized)
     num_heads: int = 0  # query heads (0: unknown), for the tensor-parallel size check
     intermediate_size: int = 0  # the MLP's (0: unknown)
+    linear_layers: tuple[tuple[int, int], ...] = ()  # (inputs, outputs) of each linear layer of one decoder layer
+    #: a GPTQ / AWQ checkpoint's int4 layout as it loads (group size, zero points); None: a float checkpoint
+    prequantized: tuple[int, bool] | None = None
 
     @classmethod
     def from_path(cls, path: str | Path) -> ModelShape:
@@ -69,10 +78,13 @@ class ModelShape:
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         kv_heads = cfg.get("num_key_value_heads") or heads
-        params = _count_safetensors(config_file.parent) or _estimate_parameters(cfg, head_dim, kv_heads)
+        prequantized = _prequantized(cfg)
+        # a pre-quantized checkpoint's safetensors hold packed int32 words: its float shape counts
+        params = ((_count_safetensors(config_file.parent) if prequantized is None else None)
+                  or _estimate_parameters(cfg, head_dim, kv_heads))
         linear, outputs = _linear_shapes(cfg, head_dim, kv_heads)
         return cls(cfg["num_hidden_layers"], kv_heads, head_dim, params, linear, outputs, heads,
-                   cfg.get("intermediate_size", 0))
+                   cfg.get("intermediate_size", 0), _linear_layers(cfg, head_dim, kv_heads), prequantized)
 
     def on_rank(self, tensor_parallel_size: int) -> ModelShape:
         """One rank's share under tensor parallelism: its KV heads (one, replicated, when
@@ -89,7 +101,8 @@ class ModelShape:
         n = tensor_parallel_size
         return replace(self, num_kv_heads=max(1, self.num_kv_heads // n), num_parameters=-(-self.num_parameters // n),
                        num_linear_parameters=-(-self.num_linear_parameters // n),
-                       num_linear_outputs=-(-self.num_linear_outputs // n))
+                       num_linear_outputs=-(-self.num_linear_outputs // n),
+                       linear_layers=tuple((k, -(-out // n)) for k, out in self.linear_layers))
 
     def kv_bytes_per_row(self, kv_dtype: str) -> int:
         """One token's K (or V) of one KV head: head_dim elements, and an int8 row's scale."""
@@ -105,12 +118,45 @@ class ModelShape:
 
     def weight_bytes(self, dtype: str, quantization: str | None = None) -> int:
         """The weights in memory: all in `dtype`, or the linear layers quantized (1 byte a
-        weight for int8, plus a float32 scale per output channel) and the rest in `dtype`."""
-        if quantization is None:
+        weight for int8, plus a float32 scale per output channel; int4: `int4_linear_bytes`)
+        and the rest in `dtype`."""
+        int4 = self.prequantized if quantization is None else INT4_METHODS.get(quantization)
+        if quantization is None and int4 is None:
             return self.num_parameters * DTYPE_BYTES[dtype]
         rest = self.num_parameters - self.num_linear_parameters
+        if int4 is not None:  # int4 at load, or a GPTQ / AWQ checkpoint as it loads
+            return self.int4_linear_bytes(*int4) + rest * DTYPE_BYTES[dtype]
+        assert quantization is not None
         return (self.num_linear_parameters * WEIGHT_QUANTIZATION_BYTES[quantization]
                 + self.num_linear_outputs * SCALE_BYTES + rest * DTYPE_BYTES[dtype])
+
+
+    def int4_linear_bytes(self, group: int, zeros: bool) -> int:
+        """The decoder layers' linear layers in the int4 layout: per output row and group of
+        `group` inputs (the last one padded), group / 2 bytes of codes, a float32 scale and a
+        uint8 zero point when `zeros`."""
+        per_group = group // 2 + SCALE_BYTES + (ZERO_POINT_BYTES if zeros else 0)
+        return self.num_layers * sum(out * -(-k // group) * per_group for k, out in self.linear_layers)
+
+
+def _prequantized(cfg: dict) -> tuple[int, bool] | None:
+    """(group size, zero points) of a GPTQ / AWQ 4-bit checkpoint's quantization_config; None
+    for any other (the loader refuses what it cannot read; here it counts as float)."""
+    qc = cfg.get("quantization_config") or {}
+    if str(qc.get("quant_method", "")).lower() not in ("gptq", "awq") or qc.get("bits", qc.get("w_bit")) != 4:
+        return None
+    group = int(qc.get("group_size", qc.get("q_group_size", -1)))
+    if group <= 0:
+        group = cfg["hidden_size"]  # one group per row: about the width of most layers
+    # GPTQ's symmetric checkpoints have every zero point 8: they load without a zeros tensor
+    return group, not (qc.get("quant_method") == "gptq" and qc.get("sym", True))
+
+
+def _linear_layers(cfg: dict, head_dim: int, kv_heads: int) -> tuple[tuple[int, int], ...]:
+    """(inputs, outputs) of a Llama-style decoder layer's linear layers, q/k/v and gate/up fused."""
+    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    q, kv = cfg["num_attention_heads"] * head_dim, kv_heads * head_dim
+    return ((h, q + 2 * kv), (q, h), (h, 2 * inter), (inter, h))
 
 
 def _linear_shapes(cfg: dict, head_dim: int, kv_heads: int) -> tuple[int, int]:
@@ -187,7 +233,8 @@ def plan(
 
     `reserved_fraction` keeps part of the memory for activations and the runtime.
     `lengths`, if given, are typical sequence lengths (prompt + output) of the traffic.
-    `quantization` (int8) counts the linear layers' weights quantized; `kv_dtype` int8
+    `quantization` (int8, int4, int4_g128, int4_asym, int4_g128_asym) counts the linear
+    layers' weights quantized (a GPTQ / AWQ checkpoint's are, without it); `kv_dtype` int8
     counts head_dim + 4 bytes per row (its float32 scale), fp8_e4m3 head_dim bytes.
     `tensor_parallel_size` N splits the weights and the KV heads over N devices of
     `memory_bytes` each: the bytes are per device, the sequences the whole worker's.
@@ -195,9 +242,9 @@ def plan(
     if tensor_parallel_size < 1:
         raise InvalidParameterError("tensor_parallel_size", "must be >= 1")
     shape = shape.on_rank(tensor_parallel_size)
-    if quantization is not None and quantization not in WEIGHT_QUANTIZATION_BYTES:
-        raise InvalidParameterError("quantization", f"must be one of {', '.join(WEIGHT_QUANTIZATION_BYTES)}, "
-                                    f"got {quantization!r}")
+    methods = [*WEIGHT_QUANTIZATION_BYTES, *INT4_METHODS]
+    if quantization is not None and quantization not in methods:
+        raise InvalidParameterError("quantization", f"must be one of {', '.join(methods)}, got {quantization!r}")
     for name, value in (("dtype", dtype), ("kv_dtype", kv_dtype or dtype)):
         if value not in DTYPE_BYTES:
             raise InvalidParameterError(name, f"must be one of {', '.join(DTYPE_BYTES)}, got {value!r}")

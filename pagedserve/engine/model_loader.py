@@ -13,6 +13,12 @@ from safetensors import safe_open
 from pagedserve.common.contracts import Kernels, ParallelGroup, QuantizationPlugin
 from pagedserve.common.errors import InvalidParameterError
 from pagedserve.plugins import load_plugin
+from pagedserve.plugins.int4_checkpoint import (
+    CheckpointFormat,
+    UnsupportedCheckpoint,
+    load_prequantized,
+    read_format,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +65,9 @@ def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.dev
     tokenizer are enough, to measure a model whose weights are not at hand). With
     `quantization`, the `pagedserve.quantization` plugin of that name then quantizes its
     linear layers. With `parallel` (tensor parallelism) it holds this rank's shards."""
+    prequantized = checkpoint_format(hf_config, quantization) if load_format != "dummy" else None
+    if prequantized is not None and parallel is not None:
+        raise InvalidParameterError("tensor_parallel_size", f"a {prequantized.method} checkpoint loads on one rank only")
     factory = model_factory(hf_config)
     if parallel is None:
         model = factory(hf_config, dtype=dtype, device=device, kernels=kernels)
@@ -66,9 +75,20 @@ def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.dev
         model = factory(hf_config, dtype=dtype, device=device, kernels=kernels, parallel=parallel)
     if load_format == "dummy":
         dummy_weights(model)
+    elif prequantized is not None:
+        # GPTQ / AWQ: their int4 codes are repacked into Int4Linear modules, never dequantized
+        rest, replaced = load_prequantized(model, iter_safetensors(model_dir), prequantized,
+                                           getattr(model, "packed_modules", {}))
+        model.load_weights(rest)
+        logger.info("%s checkpoint: %d linear layers loaded as int4 (group %d)", prequantized.method, replaced,
+                    prequantized.group_size)
     else:
         model.load_weights(iter_safetensors(model_dir))
     model.eval()
+    if prequantized is not None and device.type == "cpu":
+        from pagedserve.kernels.cpu_attention import cpu_kernels
+
+        cpu_kernels()  # registers torch.ops.pagedserve.int4_linear for the int4 modules' forward
     if quantization is not None:
         if device.type == "cpu":
             # registers torch.ops.pagedserve.int8_* (kernels/csrc/cpu_decode.cpp) for the
@@ -83,7 +103,30 @@ def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.dev
         logger.info("%s: %d linear layers, %.1f MB of float weights now %.1f MB (LM head %s); model %.1f MB",
                     report.method, report.num_linear, report.float_bytes / 1e6, report.quantized_bytes / 1e6,
                     "quantized" if report.lm_head else "float", report.model_bytes / 1e6)
+    if (quantization is not None or prequantized is not None) and device.type == "cuda":
+        # the float weights the quantized modules replaced go back to the device, so that the KV
+        # pool, sized from the free memory, counts the packed weights and not the float ones
+        torch.cuda.empty_cache()
     return model
+
+
+def checkpoint_format(hf_config, quantization: str | None = None) -> CheckpointFormat | None:
+    """The pre-quantized format of a checkpoint whose config.json has a `quantization_config`
+    (GPTQ, AWQ), None for a float one; an `InvalidParameterError` naming the config's field
+    for a variant that does not load, or when `quantization` asks to quantize it again."""
+    config = getattr(hf_config, "quantization_config", None)
+    if config is None:
+        return None
+    if not isinstance(config, dict):
+        config = config.to_dict() if hasattr(config, "to_dict") else vars(config)
+    try:
+        fmt = read_format(config)
+    except UnsupportedCheckpoint as exc:
+        raise InvalidParameterError("model", str(exc)) from None
+    if quantization is not None:
+        raise InvalidParameterError("quantization", f"the checkpoint is already quantized ({fmt.method}, "
+                                                    f"its quantization_config); leave --quantization out")
+    return fmt
 
 
 def _register_triton_gemm(device: torch.device) -> None:

@@ -222,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--dtype", default="bfloat16")
     pl.add_argument("--kv-dtype", "--kv-cache-dtype", dest="kv_dtype", default=None,
                     help="KV cache element type (default: --dtype); int8 rows count their float32 scale, fp8_e4m3 none")
-    pl.add_argument("--quantization", default=None, help="weights: int8 (linear layers, per-channel scales)")
+    pl.add_argument("--quantization", default=None, help="weights: int8 (linear layers, per-channel scales), int4, int4_g128, int4_asym, int4_g128_asym (groups of 32 or 128 inputs; _asym: zero points)")
     pl.add_argument("--block-size", type=int, default=16)
     pl.add_argument("--tensor-parallel-size", type=int, default=1,
                     help="devices the model is split across (--memory is each one's)")

@@ -106,7 +106,7 @@ def test_fp8_kv_doubles_the_4k_sequences_of_llama3_8b_and_int8_weights_free_memo
     assert int8.weight_bytes == shape.num_linear_parameters + shape.num_linear_outputs * 4 + 2 * rest
     assert int8.max_sequences_at_context == (80 * GIB - int8.weight_bytes) // (64 * 1024 * 16) // 256
     with pytest.raises(InvalidParameterError, match="quantization"):
-        plan(shape, 80 * GIB, 4096, quantization="int4")
+        plan(shape, 80 * GIB, 4096, quantization="int3")
     assert main(["plan", "--model", str(config_file(LLAMA3_8B)), "--memory", "80GiB", "--context", "4096",
                  "--quantization", "int8", "--kv-cache-dtype", "fp8_e4m3"]) == 0
     assert f"sequences at full context             {int8.max_sequences_at_context}\n" in capsys.readouterr().out
@@ -115,6 +115,55 @@ def test_fp8_kv_doubles_the_4k_sequences_of_llama3_8b_and_int8_weights_free_memo
     out = capsys.readouterr().out
     assert "KV cache per token                    66.0 KiB\n" in out
     assert "sequences at full context             252\n" in out
+
+
+def test_int4_counts_packed_codes_group_scales_and_zero_points(config_file):
+    shape = ModelShape.from_path(config_file(LLAMA3_70B))
+    # one decoder layer's linear weights: qkv 8192 → 10240, o 8192 → 8192, gate/up 8192 → 57344, down 28672 → 8192
+    per_layer = 8192 * 10240 + 8192 * 8192 + 8192 * 57344 + 28672 * 8192
+    rest = shape.num_parameters - 80 * per_layer
+    # group 32, symmetric: 16 bytes of codes and a 4-byte scale per 32 weights
+    p = plan(shape, 80 * GIB, 4096, quantization="int4")
+    assert p.weight_bytes == 80 * per_layer // 32 * (16 + 4) + rest * 2
+    # group 128 with zero points: 64 bytes of codes, a scale and a zero point per 128 weights
+    p128 = plan(shape, 80 * GIB, 4096, quantization="int4_g128_asym")
+    assert p128.weight_bytes == 80 * per_layer // 128 * (64 + 4 + 1) + rest * 2
+    assert plan(shape, 80 * GIB, 4096, quantization="int4_asym").weight_bytes == 80 * per_layer // 32 * 21 + rest * 2
+    # the linear layers of a 70B model: 0.625 bytes a weight at group 32, against 1 for int8
+    assert p.weight_bytes < plan(shape, 80 * GIB, 4096, quantization="int8").weight_bytes
+    assert p.num_blocks > plan(shape, 80 * GIB, 4096, quantization="int8").num_blocks
+
+
+def test_int4_pads_each_layer_to_whole_groups(config_file):
+    # SmolLM2-135M: hidden 576 is 4.5 groups of 128, intermediate 1536 is 12
+    cfg = dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, num_hidden_layers=30,
+               intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True)
+    shape = ModelShape.from_path(config_file(cfg))
+    qkv, o, gate_up, down = 576 + 2 * 192, 576, 2 * 1536, 576
+    per_layer = (qkv + o + gate_up) * 5 * (64 + 4) + down * 12 * (64 + 4)  # 576 inputs: 5 groups (640)
+    assert shape.int4_linear_bytes(128, False) == 30 * per_layer
+    rest = shape.num_parameters - shape.num_linear_parameters
+    assert plan(shape, GIB, 2048, dtype="float32", quantization="int4_g128").weight_bytes == 30 * per_layer + rest * 4
+
+
+def test_a_gptq_checkpoint_is_counted_as_it_loads(tmp_path):
+    cfg = dict(LLAMA3_8B, quantization_config={"quant_method": "gptq", "bits": 4, "group_size": 128,
+                                               "desc_act": False, "sym": True})
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "model.safetensors").write_bytes(b"not read: the packed words are not parameters")
+    shape = ModelShape.from_path(tmp_path)
+    assert shape.prequantized == (128, False) and shape.num_parameters == 8_030_261_248
+    per_layer = 4096 * 6144 + 4096 * 4096 + 4096 * 28672 + 14336 * 4096
+    rest = 8_030_261_248 - 32 * per_layer
+    assert plan(shape, 80 * GIB, 4096).weight_bytes == 32 * per_layer // 128 * (64 + 4) + rest * 2
+
+
+def test_plan_cli_takes_int4(config_file, capsys):
+    assert main(["plan", "--model", str(config_file(LLAMA3_70B)), "--quantization", "int4", "--memory", "80GiB",
+                 "--context", "4096"]) in (0, None)
+    assert "weights" in capsys.readouterr().out
+    with pytest.raises(InvalidParameterError, match="int4_g128_asym, got 'int3'"):
+        plan(ModelShape.from_path(config_file(LLAMA3_70B)), 80 * GIB, 4096, quantization="int3")
 
 
 def test_llama3_70b_split_over_four_devices(config_file, capsys):

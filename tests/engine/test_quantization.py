@@ -23,8 +23,8 @@ TOKENS = 64
 
 
 def test_unknown_quantization_is_refused_before_loading():
-    with pytest.raises(InvalidParameterError, match="quantization: unknown method 'int4'; choices: int8"):
-        LLM(quantization="int4")
+    with pytest.raises(InvalidParameterError, match="quantization: unknown method 'int3'; choices: int4, int4_asym, int4_g128, int4_g128_asym, int8"):
+        LLM(quantization="int3")
 
 
 @pytest.mark.slow

@@ -8,10 +8,12 @@ void store_kv_int8(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache
                    torch::Tensor slots);
 void bind_cpu_decode(pybind11::module& m);
 void bind_cpu_int8_gemv(pybind11::module& m);
+void bind_cpu_int4_gemv(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (CPU)");
   m.def("store_kv_int8", &store_kv_int8, "float32 K/V → int8 KV cache rows (values, then the float32 scale)");
   bind_cpu_decode(m);
   bind_cpu_int8_gemv(m);
+  bind_cpu_int4_gemv(m);
 }

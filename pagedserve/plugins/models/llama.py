@@ -151,6 +151,9 @@ class LlamaForCausalLM(nn.Module, CausalLMPlugin):
 
     qkv_bias = False
     qk_norm = False
+    #: modules made of several checkpoint layers stacked along the outputs (for loaders of
+    #: pre-quantized checkpoints, which repack each layer: plugins/int4_checkpoint.py)
+    packed_modules = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
     def __init__(self, hf_config, *, dtype: torch.dtype, device: str | torch.device, kernels: Kernels,
                  parallel: ParallelGroup | None = None):
@@ -208,6 +211,11 @@ class LlamaForCausalLM(nn.Module, CausalLMPlugin):
         if self.parallel is not None:
             return None  # a shard: the fused kernel has no all-reduce between its layers
         if cls.forward is not LlamaForCausalLM.forward or cls.compute_logits is not LlamaForCausalLM.compute_logits:
+            return None
+        # int4 weights (plugins/int4_quantization.py) have packed codes and group scales, no
+        # `weight` rows: the fused decode step does not read them yet (it would take them here,
+        # with an int4 GEMV slot next to its int8 one in kernels/csrc/cpu_decode.cpp)
+        if any(hasattr(m, "qweight") for m in self.modules()):
             return None
         layers = []
         for layer in cast(Iterable[DecoderLayer], self.layers):

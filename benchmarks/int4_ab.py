@@ -1,0 +1,125 @@
+"""int4 against int8 and float32 on CPU, interleaved round by round in one process.
+
+    python benchmarks/int4_ab.py [--rounds 5] [--tokens 32] [--threads 2] [--rows 1,16,64]
+
+Two measurements, on the default model's shapes (or `--model`'s):
+- `linears`: one pass over the model's linear layers (qkv, o, gate_up, down of every layer)
+  at M rows, with the int8 kernel (`torch.ops.pagedserve.int8_linear`), the int4 kernel
+  (`int4_linear`, group 32 and 128) and float32 F.linear, each layer's weights made from the
+  checkpoint's. This is the kernels against each other, nothing else.
+- `decode`: batch-1 greedy decode tok/s of whole engines (float32, int8, int4, int4_g128).
+  The int8 and float32 engines run their decode steps in the fused C++ step; the int4 ones
+  run the model's eager forward (the fused step does not read int4 weights yet), so this
+  figure includes Python's per-layer cost on the int4 side.
+The int4 engines need the int4 entry points installed (pip install -e . after the merge).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from statistics import median
+
+import torch
+import torch.nn.functional as F
+
+
+def _linear_pass(fns, rows: int, shapes, repeats: int = 3) -> dict[str, float]:
+    """Seconds of one pass over every shape, median of `repeats`, per kind."""
+    xs = {k: torch.randn(rows, k) for k in {s[1] for s in shapes}}
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            started = time.perf_counter()
+            for i, (_, k) in enumerate(shapes):
+                fn(i, xs[k])
+            times[name].append(time.perf_counter() - started)
+    return {name: median(t) for name, t in times.items()}
+
+
+def linears(model: str, rows_list: list[int], rounds: int) -> None:
+    from pagedserve.common.model_store import resolve_model
+    from pagedserve.engine.model_loader import iter_safetensors
+    from pagedserve.kernels.cpu_attention import cpu_kernels
+    from pagedserve.plugins.int4_quantization import quantize as quantize4
+    from pagedserve.plugins.int8_quantization import quantize_per_channel
+
+    kernels = cpu_kernels()
+    assert kernels is not None, "the CPU extension is needed"
+    by_layer: dict[str, dict[str, torch.Tensor]] = {}
+    for name, w in iter_safetensors(resolve_model(model)):
+        if w.dim() == 2 and "layers." in name and "proj" in name:
+            layer, piece = name.split(".layers.")[1].split(".")[0], name.rsplit(".", 2)[-2]
+            by_layer.setdefault(layer, {})[piece] = w.float()
+    weights = []
+    for pieces in by_layer.values():
+        weights += [torch.cat([pieces["q_proj"], pieces["k_proj"], pieces["v_proj"]]), pieces["o_proj"],
+                    torch.cat([pieces["gate_proj"], pieces["up_proj"]]), pieces["down_proj"]]
+    shapes = [tuple(w.shape) for w in weights]
+    int8 = [quantize_per_channel(w) for w in weights]
+    g32 = [quantize4(w, 32) for w in weights]
+    g128 = [quantize4(w, 128) for w in weights]
+    ops = torch.ops.pagedserve
+    fns = {
+        "float32": lambda i, x: F.linear(x, weights[i]),
+        "int8": lambda i, x: ops.int8_linear(x, int8[i][0], int8[i][1], None),
+        "int4_g32": lambda i, x: ops.int4_linear(x, g32[i].qweight, g32[i].scales, None, None, 32),
+        "int4_g128": lambda i, x: ops.int4_linear(x, g128[i].qweight, g128[i].scales, None, None, 128),
+    }
+    bytes_ = {"float32": sum(w.numel() * 4 for w in weights),
+              "int8": sum(q.numel() + s.numel() * 4 for q, s in int8),
+              "int4_g32": sum(q.qweight.numel() + q.scales.numel() * 4 for q in g32),
+              "int4_g128": sum(q.qweight.numel() + q.scales.numel() * 4 for q in g128)}
+    print(f"{len(shapes)} linear layers; kernels: int8 {kernels.int8_kernel()}, int4 {kernels.int4_kernel()}; "
+          f"threads {torch.get_num_threads()}")
+    print("weights MB: " + ", ".join(f"{k} {v / 1e6:.1f}" for k, v in bytes_.items()))
+    for rows in rows_list:
+        per_round = [_linear_pass(fns, rows, shapes) for _ in range(rounds)]
+        med = {k: median(r[k] for r in per_round) for k in fns}
+        ratios = [r["int8"] / r["int4_g32"] for r in per_round]
+        print(f"M={rows:3d}: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in med.items())
+              + f"; int4_g32 speed vs int8 {median(ratios):.2f}x (range {min(ratios):.2f}-{max(ratios):.2f})"
+              + f", vs float32 {med['float32'] / med['int4_g32']:.2f}x")
+
+
+def decode(model: str, rounds: int, tokens: int) -> None:
+    from pagedserve import LLM, SamplingParams
+
+    engines = {name: LLM(model, quantization=q, max_num_batched_tokens=512, kv_cache_memory=1 << 26)
+               for name, q in (("float32", None), ("int8", "int8"), ("int4", "int4"), ("int4_g128", "int4_g128"))}
+    results: dict[str, list[float]] = {name: [] for name in engines}
+    for _ in range(rounds):
+        for name, llm in engines.items():
+            engine = llm.engine
+            engine.add_request(f"ab-{time.monotonic_ns()}", [1],
+                               SamplingParams(max_tokens=tokens + 1, temperature=0.0, ignore_eos=True))
+            engine.step()
+            started = time.perf_counter()
+            while engine.has_unfinished_requests():
+                engine.step()
+            results[name].append(tokens / (time.perf_counter() - started))
+    for name, r in results.items():
+        print(f"decode batch 1 {name}: {median(r):.1f} tok/s (range {min(r):.1f}-{max(r):.1f})")
+    ratios = [a / b for a, b in zip(results["int4"], results["int8"])]
+    print(f"int4 / int8: {median(ratios):.2f}x (range {min(ratios):.2f}-{max(ratios):.2f})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rows", default="1,16,64")
+    parser.add_argument("--only", choices=["linears", "decode"], default=None)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.only in (None, "linears"):
+        linears(args.model, [int(r) for r in args.rows.split(",")], args.rounds)
+    if args.only in (None, "decode"):
+        decode(args.model, args.rounds, args.tokens)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,403 @@
+// int4 × int8 products for the int4 weights' few-row linear layers (plugins/int4_quantization.py),
+// as llama.cpp's Q4_0 × Q8_0: AVX-512 VNNI, AVX2, or plain C++, chosen at run time.
+//
+// The weights are used in their load-time layout, with no repacked copy: codes q (0..15) packed
+// two per byte [out, padded_in / 2], byte i of each block of 32 inputs holding input i (low
+// nibble) and input i + 16 (high nibble); a float32 scale s and a zero point z (uint8; 8 when
+// the layer is symmetric and has no zeros tensor) per group of `group_size` inputs (a multiple
+// of 32), so w = (q - z)·s. The activation rows are quantized on the fly per block of 32
+// (d = max|x| / 127, xq = round(x·(127 / max|x|)), as the int8 kernels do), so a block's product
+// is an exact int32 sum Σ (q - z)·xq, converted to float and multiplied by d·s into a float
+// accumulator.
+//
+// Three kernels, each compiled with a function-level target attribute (one -march=native build
+// holds all three; `__builtin_cpu_supports` picks):
+//  - `avx512vnni`: 64 inputs (two blocks) a step. The 32 packed bytes unpack (mask, shift, two
+//    lane permutes) into 64 codes; q + (128 - z) is unsigned (113..143), and `vpdpbusd` starting
+//    from -128·Σxq of each lane's four activations (computed once per call) gives exactly
+//    Σ (q - z)·xq per lane. Per 64 weights and activation row: dpbusd, conversion, the d·s
+//    multiply, FMA.
+//  - `avx2`: one block a step. (q - z) is signed -15..15: `vpmaddubsw` of |q - z| by xq with
+//    q - z's sign (llama.cpp's sign trick; pairs of at most 15·127, never saturated), `vpmaddwd`
+//    by ones into int32, conversion, FMA by d·s.
+//  - `scalar`: the same sums in plain C++, for any CPU (and a reference of the SIMD ones).
+// Each output (activation row, weight row) has its own accumulator that gets the same operations
+// in the same order whatever the number of rows in the call or in its tile, and the lanes are
+// summed in a pinned order: a row's result is bitwise independent of the batch.
+//
+// Above `int4_kernel_max_rows()` rows the Python side dequantizes the weight for float F.linear
+// (the float path for larger M). The fused CPU decode step (cpu_decode.cpp) does not call this
+// file yet: it would call `linear_rows_int4` from its projection slots, next to
+// linear_rows_int8, once DecoderLayerWeights carries the int4 tensors.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#define PAGEDSERVE_INT4_X86 1
+#include <immintrin.h>
+#define PS4_AVX2 __attribute__((target("avx2,fma")))
+#define PS4_AVX512 __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vnni")))
+#define PS4_INLINE inline __attribute__((always_inline))
+#endif
+
+namespace {
+
+enum Int4Kernel : int { kScalar = 0, kAvx2 = 1, kAvx512Vnni = 2 };
+const char* const kInt4Names[] = {"scalar", "avx2", "avx512vnni"};
+
+constexpr int64_t kBlock = 32;  // activation values per scale, and inputs per 16 packed bytes
+constexpr int64_t kStep = 64;   // the quantized activations are padded to a multiple of this
+constexpr uint8_t kSymmetricZero = 8;
+
+bool int4_cpu_has(int k) {
+#ifdef PAGEDSERVE_INT4_X86
+  __builtin_cpu_init();
+  switch (k) {
+    case kScalar: return true;
+    case kAvx2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case kAvx512Vnni:
+      return int4_cpu_has(kAvx2) && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vnni");
+  }
+  return false;
+#else
+  return k == kScalar;
+#endif
+}
+
+int best_int4_kernel() {
+  for (int k = kAvx512Vnni; k > kScalar; --k)
+    if (int4_cpu_has(k)) return k;
+  return kScalar;
+}
+
+std::atomic<int> g_int4_kernel{best_int4_kernel()};
+
+// The activations of one call, quantized per block of 32: xq [m, kq] (kq = padded_in rounded up
+// to 64, zeros after `in`), d [m, kq / 32] (0 in the padding), and for the AVX-512 kernel each
+// 4-value lane's d (dl [m, kq / 4]) and -128·Σ of its four xq (nc [m, kq / 4]).
+struct QuantizedRows {
+  std::vector<int8_t> xq;
+  std::vector<float> d, dl;
+  std::vector<int32_t> nc;
+  int64_t kq = 0;
+};
+
+void quantize_rows(const float* x, int64_t m, int64_t in, int64_t kq, bool lanes, QuantizedRows& q) {
+  q.kq = kq;
+  q.xq.assign(m * kq, 0);
+  q.d.assign(m * (kq / kBlock), 0.f);
+  if (lanes) {
+    q.dl.assign(m * (kq / 4), 0.f);
+    q.nc.assign(m * (kq / 4), 0);
+  }
+  for (int64_t r = 0; r < m; ++r) {
+    const float* xr = x + r * in;
+    for (int64_t k0 = 0; k0 < in; k0 += kBlock) {
+      const int64_t n = std::min(kBlock, in - k0);
+      float amax = 0.f;
+      for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(xr[k0 + i]));
+      const float id = amax > 0.f ? 127.f / amax : 0.f;
+      q.d[r * (kq / kBlock) + k0 / kBlock] = amax / 127.f;
+      int8_t* qr = q.xq.data() + r * kq + k0;
+      // round half to even, as the int8 kernels' cvtps and torch.round do; |x·id| <= 127
+      for (int64_t i = 0; i < n; ++i) qr[i] = static_cast<int8_t>(std::nearbyint(xr[k0 + i] * id));
+      if (lanes) {
+        for (int64_t l = 0; l < kBlock / 4; ++l) {
+          int32_t s = 0;
+          for (int i = 0; i < 4; ++i) s += qr[4 * l + i];
+          q.nc[r * (kq / 4) + k0 / 4 + l] = -128 * s;
+          q.dl[r * (kq / 4) + k0 / 4 + l] = amax / 127.f;
+        }
+      }
+    }
+  }
+}
+
+// The weights of one call: codes, the group scales and zero points (null: symmetric).
+struct Int4Weights {
+  const uint8_t* packed;  // [out, kp / 2]
+  const float* scales;    // [out, kp / group]
+  const uint8_t* zeros;   // [out, kp / group] or null
+  int64_t kp, group;
+  int64_t groups() const { return kp / group; }
+  uint8_t zero(int64_t o, int64_t g) const { return zeros ? zeros[o * groups() + g] : kSymmetricZero; }
+  float scale(int64_t o, int64_t g) const { return scales[o * groups() + g]; }
+};
+
+// ---- plain C++ ----
+
+float dot_scalar(const Int4Weights& w, int64_t o, const QuantizedRows& q, int64_t r) {
+  const uint8_t* row = w.packed + o * (w.kp / 2);
+  const int8_t* xr = q.xq.data() + r * q.kq;
+  const float* dr = q.d.data() + r * (q.kq / kBlock);
+  float acc = 0.f;
+  for (int64_t b = 0; b < w.kp / kBlock; ++b) {
+    const int64_t g = b * kBlock / w.group;
+    const int32_t z = w.zero(o, g);
+    int32_t sum = 0;
+    for (int i = 0; i < 16; ++i) {
+      const uint8_t byte = row[b * 16 + i];
+      sum += ((byte & 15) - z) * xr[b * kBlock + i] + ((byte >> 4) - z) * xr[b * kBlock + 16 + i];
+    }
+    acc = std::fma(static_cast<float>(sum), dr[b] * w.scale(o, g), acc);
+  }
+  return acc;
+}
+
+#ifdef PAGEDSERVE_INT4_X86
+
+template <class T>
+PS4_INLINE T pinned(T v) {
+  asm("" : "+x"(v));
+  return v;
+}
+
+PS4_AVX2 PS4_INLINE float sum_lanes_256(__m256 h) {
+  const __m128 q = pinned(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+  const __m128 p = pinned(_mm_add_ps(q, _mm_movehl_ps(q, q)));
+  return _mm_cvtss_f32(pinned(_mm_add_ss(p, _mm_shuffle_ps(p, p, 1))));
+}
+
+// ---- AVX2: a block of 32 a step, NW weight rows × MR activation rows ----
+
+template <int NW, int MR>
+PS4_AVX2 PS4_INLINE void tile_avx2(const Int4Weights& w, int64_t o, const QuantizedRows& q, int64_t r0, float (*s)[4]) {
+  const __m128i low = _mm_set1_epi8(15);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[MR][NW];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NW; ++j) acc[r][j] = _mm256_setzero_ps();
+  const int64_t half = w.kp / 2, dstride = q.kq / kBlock;
+  for (int64_t b = 0; b < w.kp / kBlock; ++b) {
+    const int64_t g = b * kBlock / w.group;
+    __m256i sw[NW], aw[NW];
+    float sc[NW];
+#pragma GCC unroll 4
+    for (int j = 0; j < NW; ++j) {
+      const uint8_t* p = w.packed + (o + j) * half + b * 16;
+      _mm_prefetch(reinterpret_cast<const char*>(p) + 1024, _MM_HINT_T0);
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+      const __m256i codes = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low), _mm_and_si128(bytes, low));
+      sw[j] = _mm256_sub_epi8(codes, _mm256_set1_epi8(static_cast<char>(w.zero(o + j, g))));
+      aw[j] = _mm256_abs_epi8(sw[j]);
+      sc[j] = w.scale(o + j, g);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.xq.data() + (r0 + r) * q.kq + b * kBlock));
+      const float d = q.d[(r0 + r) * dstride + b];
+#pragma GCC unroll 4
+      for (int j = 0; j < NW; ++j) {
+        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw[j], _mm256_sign_epi8(xv, sw[j])), ones);
+        acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * sc[j]), acc[r][j]);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NW; ++j) s[r][j] = sum_lanes_256(pinned(acc[r][j]));
+}
+
+// ---- AVX-512 VNNI: two blocks (64 inputs) a step ----
+
+PS4_AVX512 PS4_INLINE float sum_lanes_512(__m512 v) {
+  const __m256 h = pinned(_mm256_add_ps(_mm512_castps512_ps256(v),
+                                        _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))));
+  return sum_lanes_256(h);
+}
+
+template <int NW, int MR>
+PS4_AVX512 PS4_INLINE void tile_512(const Int4Weights& w, int64_t o, const QuantizedRows& q, int64_t r0, float (*s)[4]) {
+  const __m256i low = _mm256_set1_epi8(15);
+  __m512 acc[MR][NW];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NW; ++j) acc[r][j] = _mm512_setzero_ps();
+  const int64_t half = w.kp / 2, lstride = q.kq / 4;
+  for (int64_t k = 0; k < w.kp; k += kStep) {
+    const bool two = k + kStep <= w.kp;  // else one block left (its second half: zero activations)
+    const int64_t g0 = k / w.group, g1 = two ? (k + kBlock) / w.group : g0;
+    __m512i wu[NW];
+    __m512 sv[NW];
+#pragma GCC unroll 4
+    for (int j = 0; j < NW; ++j) {
+      const uint8_t* p = w.packed + (o + j) * half + k / 2;
+      _mm_prefetch(reinterpret_cast<const char*>(p) + 1024, _MM_HINT_T0);
+      const __m256i bytes = two ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                                : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+      const __m256i lo = _mm256_and_si256(bytes, low), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+      const __m512i codes = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_permute2x128_si256(lo, hi, 0x20)),
+                                               _mm256_permute2x128_si256(lo, hi, 0x31), 1);
+      const __m512i offset = _mm512_inserti64x4(
+          _mm512_castsi256_si512(_mm256_set1_epi8(static_cast<char>(128 - w.zero(o + j, g0)))),
+          _mm256_set1_epi8(static_cast<char>(128 - w.zero(o + j, g1))), 1);
+      wu[j] = _mm512_add_epi8(codes, offset);
+      sv[j] = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(w.scale(o + j, g0)), _mm512_set1_ps(w.scale(o + j, g1)));
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) {
+      const __m512i xv = _mm512_loadu_si512(q.xq.data() + (r0 + r) * q.kq + k);
+      const __m512 dv = _mm512_loadu_ps(q.dl.data() + (r0 + r) * lstride + k / 4);
+      const __m512i cv = _mm512_loadu_si512(q.nc.data() + (r0 + r) * lstride + k / 4);
+#pragma GCC unroll 4
+      for (int j = 0; j < NW; ++j)
+        acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(cv, wu[j], xv)),
+                                    _mm512_mul_ps(dv, sv[j]), acc[r][j]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NW; ++j) s[r][j] = sum_lanes_512(acc[r][j]);
+}
+
+// the tile for mr = 1..4 activation rows (MR fixed at compile time: accumulators in registers)
+#define PS4_TILE_ROWS(NAME, TARGET, TILE)                                                                  \
+  template <int NW, int MR = 1>                                                                           \
+  TARGET void NAME(int mr, const Int4Weights& w, int64_t o, const QuantizedRows& q, int64_t r0,           \
+                   float (*s)[4]) {                                                                       \
+    if constexpr (MR < 4) {                                                                               \
+      if (mr != MR) return NAME<NW, MR + 1>(mr, w, o, q, r0, s);                                          \
+    }                                                                                                     \
+    TILE<NW, MR>(w, o, q, r0, s);                                                                         \
+  }
+PS4_TILE_ROWS(tile_rows_avx2, PS4_AVX2, tile_avx2)
+PS4_TILE_ROWS(tile_rows_512, PS4_AVX512, tile_512)
+#undef PS4_TILE_ROWS
+
+#endif  // PAGEDSERVE_INT4_X86
+
+// Output rows [begin, end): blocks of 32 weight rows, each group of 4 activation rows applied to
+// the block while it is in cache, a tile of weight rows at a time.
+void run_rows(int kernel, const Int4Weights& w, const QuantizedRows& q, int64_t m, const float* bias, int64_t out,
+              float* y, int64_t begin, int64_t end) {
+  constexpr int64_t kRows = 4, kOutBlock = 32;
+  float s[4][4];
+  for (int64_t ob = begin; ob < end; ob += kOutBlock) {
+    const int64_t oe = std::min(end, ob + kOutBlock);
+    for (int64_t r0 = 0; r0 < m; r0 += kRows) {
+      const int mr = static_cast<int>(std::min(kRows, m - r0));
+      for (int64_t o = ob; o < oe;) {
+        int nw = 1;
+#ifdef PAGEDSERVE_INT4_X86
+        if (kernel == kAvx512Vnni) {
+          nw = oe - o >= 4 ? 4 : 1;
+          if (nw == 4) tile_rows_512<4>(mr, w, o, q, r0, s);
+          else tile_rows_512<1>(mr, w, o, q, r0, s);
+        } else if (kernel == kAvx2) {
+          nw = oe - o >= 2 ? 2 : 1;
+          if (nw == 2) tile_rows_avx2<2>(mr, w, o, q, r0, s);
+          else tile_rows_avx2<1>(mr, w, o, q, r0, s);
+        } else
+#endif
+        {
+          for (int r = 0; r < mr; ++r) s[r][0] = dot_scalar(w, o, q, r0 + r);
+        }
+        for (int j = 0; j < nw; ++j) {
+          const float b = bias ? bias[o + j] : 0.f;
+          for (int r = 0; r < mr; ++r) y[(r0 + r) * out + o + j] = s[r][j] + b;
+        }
+        o += nw;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+// y [m, out] = x [m, in] · dequantize(w)ᵀ (+ bias) for the packed int4 layout above, by the kernel
+// selected now; output rows split across torch's intra-op threads.
+void linear_rows_int4(const float* x, int64_t m, int64_t in, const uint8_t* packed, const float* scales,
+                      const uint8_t* zeros, int64_t kp, int64_t group, const float* bias, int64_t out, float* y) {
+  const int kernel = g_int4_kernel.load(std::memory_order_relaxed);
+  thread_local QuantizedRows buffers;
+  // a named reference: a lambda does not capture a thread_local, each thread would see its own
+  QuantizedRows& q = buffers;
+  quantize_rows(x, m, in, (kp + kStep - 1) / kStep * kStep, kernel == kAvx512Vnni, q);
+  const Int4Weights w{packed, scales, zeros, kp, group};
+  at::parallel_for(0, out, 32, [&](int64_t begin, int64_t end) { run_rows(kernel, w, q, m, bias, out, y, begin, end); });
+}
+
+torch::Tensor int4_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
+                          std::optional<torch::Tensor> zeros, std::optional<torch::Tensor> bias, int64_t group_size) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
+              "int4_linear: x must be contiguous float32 [m, in]");
+  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == torch::kUInt8 && qweight.is_contiguous(),
+              "int4_linear: qweight must be contiguous uint8 [out, padded_in / 2]");
+  const int64_t m = x.size(0), in = x.size(1), out = qweight.size(0), kp = qweight.size(1) * 2;
+  TORCH_CHECK(group_size > 0 && group_size % kBlock == 0 && kp % group_size == 0 && kp >= in && kp - in < group_size,
+              "int4_linear: group size ", group_size, " and padded width ", kp, " do not fit ", in, " inputs");
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() && scales.dim() == 2 &&
+                  scales.size(0) == out && scales.size(1) == kp / group_size,
+              "int4_linear: scales must be contiguous float32 [out, padded_in / group_size]");
+  const uint8_t* zp = nullptr;
+  if (zeros && zeros->defined()) {
+    TORCH_CHECK(zeros->scalar_type() == torch::kUInt8 && zeros->is_contiguous() && zeros->sizes() == scales.sizes(),
+                "int4_linear: zeros must be contiguous uint8 shaped as scales");
+    zp = zeros->data_ptr<uint8_t>();
+  }
+  const float* bp = nullptr;
+  if (bias && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == out,
+                "int4_linear: bias must be contiguous float32 [out]");
+    bp = bias->data_ptr<float>();
+  }
+  auto y = torch::empty({m, out}, x.options());
+  if (m > 0)
+    linear_rows_int4(x.data_ptr<float>(), m, in, qweight.data_ptr<uint8_t>(), scales.data_ptr<float>(), zp, kp,
+                     group_size, bp, out, y.data_ptr<float>());
+  return y;
+}
+
+std::vector<std::string> int4_kernels() {
+  std::vector<std::string> names;
+  for (int k = kAvx512Vnni; k >= kScalar; --k)
+    if (int4_cpu_has(k)) names.emplace_back(kInt4Names[k]);
+  return names;
+}
+
+std::string int4_kernel() { return kInt4Names[g_int4_kernel.load(std::memory_order_relaxed)]; }
+
+std::string set_int4_kernel(const std::string& name) {
+  for (int k = kScalar; k <= kAvx512Vnni; ++k) {
+    if (name == kInt4Names[k]) {
+      TORCH_CHECK(int4_cpu_has(k), "set_int4_kernel: this CPU cannot run the '", name, "' kernel; it can run: ",
+                  c10::Join(", ", int4_kernels()));
+      return kInt4Names[g_int4_kernel.exchange(k)];
+    }
+  }
+  TORCH_CHECK(false, "set_int4_kernel: unknown kernel '", name, "'; choices: scalar, avx2, avx512vnni");
+}
+
+// Up to how many rows `Int4Linear.forward` runs this file's kernel before dequantizing the weight
+// for float32 F.linear. Measured for AVX-512 VNNI only (benchmarks/int4_ab.py, the default model's
+// 120 linears, one thread, AMD EPYC): at M = 64 the kernel took 164 ms against 197 ms for float32
+// F.linear alone (before any dequantization); the AVX2 and scalar limits are not measured.
+int64_t int4_kernel_max_rows() {
+  switch (g_int4_kernel.load(std::memory_order_relaxed)) {
+    case kAvx512Vnni: return 64;
+    case kAvx2: return 32;
+    default: return 4;
+  }
+}
+
+TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
+  m.def("int4_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, Tensor? bias, int group_size) -> Tensor");
+  m.def("int4_kernel_max_rows() -> int", []() -> int64_t { return int4_kernel_max_rows(); });
+}
+
+TORCH_LIBRARY_IMPL(pagedserve, CPU, m) { m.impl("int4_linear", &int4_linear); }
+
+void bind_cpu_int4_gemv(pybind11::module& m) {
+  m.def("int4_linear", &int4_linear, "y = x·dequantize(int4 w)ᵀ (+ bias), activations quantized to int8 per 32",
+        pybind11::arg("x"), pybind11::arg("qweight"), pybind11::arg("scales"), pybind11::arg("zeros"),
+        pybind11::arg("bias"), pybind11::arg("group_size"));
+  m.def("int4_kernels", &int4_kernels, "the int4 kernels this CPU can run, best first: avx512vnni, avx2, scalar");
+  m.def("int4_kernel", &int4_kernel, "the kernel the int4 linear layers run now");
+  m.def("set_int4_kernel", &set_int4_kernel, "run this int4 kernel for every later int4 linear; returns the previous");
+}

@@ -1,0 +1,247 @@
+"""`int4`: weight-only 4-bit quantization with one scale (and zero point) per group of inputs.
+
+Four methods of the `pagedserve.quantization` group, one per layout option (a quantization
+plugin is built with no arguments, so the options are in the name):
+
+    int4             group 32, symmetric (as llama.cpp's Q4_0)
+    int4_g128        group 128, symmetric
+    int4_asym        group 32, asymmetric: a zero point per group
+    int4_g128_asym   group 128, asymmetric
+
+At load time every `nn.Linear` of the model (the LM head only with `quantize_lm_head`)
+becomes an `Int4Linear`. Its layout (`Int4Weights`), for a float weight w [out, in]:
+- the inputs are padded with zeros to `padded_in` = in rounded up to the group size, and cut
+  into groups of `group_size` consecutive inputs of one output row;
+- each group has a float32 scale s and a zero point z (0..15; 8 when symmetric, not stored)
+  and each weight a 4-bit code q (0..15) with w ≈ (q - z)·s;
+- symmetric: s = m / -8 where m is the group's value of largest magnitude (so m maps to code
+  0, as Q4_0 does), q = clamp(round(w / s) + 8, 0, 15); the error is at most s/2, except
+  for values within s/2 of -m (clamped to code 15: at most s);
+- asymmetric: lo = min(w, 0), hi = max(w, 0), s = (hi - lo) / 15, z = round(-lo / s),
+  q = clamp(round(w / s) + z, 0, 15); the error is at most s/2 for every unclamped value,
+  at most s for a clamped one (within s/2 of lo or hi);
+- the codes are packed two per byte, 16 bytes per 32 inputs: byte i of a block of 32 holds
+  input i in its low nibble and input i + 16 in its high nibble (Q4_0's order, which the
+  SIMD kernels unpack with one mask and one shift into the 32 codes in order).
+
+A group of all zeros gets scale 1 (its codes are the zero point). Checkpoints quantized
+by GPTQ or AWQ are repacked into the same layout (plugins/int4_checkpoint.py).
+
+`Int4Linear.forward` on CPU float32 runs the C++ int4 × int8 kernel
+(`torch.ops.pagedserve.int4_linear`, kernels/csrc/cpu_int4_gemv.cpp: activations quantized to
+int8 per block of 32, as Q4_0 × Q8_0) up to `int4_kernel_max_rows()` rows when the worker has
+loaded the extension, and above that (or on other devices) dequantizes the weight to the
+activations' dtype for `F.linear`. The fused CPU decode step does not read int4 weights yet:
+`LlamaForCausalLM.decoder_weights` answers None for such a model, so its decode steps run
+this forward (eager).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedserve.common.contracts import QuantizationPlugin, QuantizationReport
+
+BLOCK = 32  # inputs per packed block (16 bytes); every group size is a multiple of it
+GROUP_SIZES = (32, 128)  # the group sizes of the built-in methods; any multiple of BLOCK loads
+SYMMETRIC_ZERO = 8  # the zero point of a symmetric group
+#: `Int4Linear.forward` runs the C++ kernel up to this many rows when the extension does not
+#: say (`int4_kernel_max_rows`), and dequantizes for F.linear above it
+INT4_KERNEL_MAX_ROWS = 16
+
+
+def _cpu_op(name: str) -> Any:
+    """The `pagedserve` operator of that name, if the worker has registered it (the plugin
+    may not import pagedserve.kernels)."""
+    return getattr(torch.ops.pagedserve, name, None) if hasattr(torch.ops, "pagedserve") else None
+
+
+def int4_kernel_max_rows() -> int:
+    """Up to how many rows `Int4Linear.forward` runs the extension's kernel."""
+    op = _cpu_op("int4_kernel_max_rows")
+    return int(op()) if op is not None else INT4_KERNEL_MAX_ROWS
+
+
+@dataclass(frozen=True, slots=True)
+class Int4Weights:
+    """One linear layer's weight in the int4 layout (see the module docstring)."""
+
+    qweight: torch.Tensor  # uint8 [out, padded_in / 2]: two 4-bit codes a byte, Q4_0's order per 32 inputs
+    scales: torch.Tensor  # float32 [out, padded_in / group_size]: each group's scale
+    zeros: torch.Tensor | None  # uint8 [out, padded_in / group_size]: each group's zero point; None: 8 (symmetric)
+    group_size: int  # inputs per scale: a multiple of 32
+    in_features: int  # the unpadded input width (the padding's codes multiply zero activations)
+
+
+def pack_codes(q: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [out, k] (0..15, k a multiple of 32) → uint8 [out, k / 2] in Q4_0's order."""
+    out, k = q.shape
+    blocks = q.reshape(out, k // BLOCK, 2, BLOCK // 2)
+    return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(out, k // 2)
+
+
+def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of `pack_codes`: uint8 [out, k / 2] → uint8 codes [out, k]."""
+    out, half = packed.shape
+    blocks = packed.reshape(out, half // (BLOCK // 2), BLOCK // 2)
+    return torch.stack([blocks & 15, blocks >> 4], dim=2).reshape(out, 2 * half)
+
+
+def quantize(weight: torch.Tensor, group_size: int = 32, symmetric: bool = True) -> Int4Weights:
+    """The int4 layout of a float weight [out, in] (module docstring: the rules and bounds)."""
+    if group_size <= 0 or group_size % BLOCK:
+        raise ValueError(f"int4 group size must be a positive multiple of {BLOCK}, got {group_size}")
+    w = weight.detach().float()
+    out, k = w.shape
+    padded = -(-k // group_size) * group_size
+    groups = F.pad(w, (0, padded - k)).reshape(out, padded // group_size, group_size)
+    if symmetric:
+        index = groups.abs().argmax(dim=2, keepdim=True)
+        extreme = groups.gather(2, index).squeeze(2)
+        scale = torch.where(extreme != 0, extreme / -8.0, torch.ones_like(extreme))
+        zero = torch.full_like(scale, SYMMETRIC_ZERO)
+    else:
+        lo = groups.amin(dim=2).clamp(max=0.0)
+        hi = groups.amax(dim=2).clamp(min=0.0)
+        scale = torch.where(hi > lo, (hi - lo) / 15.0, torch.ones_like(hi))
+        zero = torch.round(-lo / scale).clamp(0, 15)
+    q = torch.round(groups / scale[:, :, None]) + zero[:, :, None]
+    codes = q.clamp_(0, 15).to(torch.uint8).reshape(out, padded)
+    return Int4Weights(qweight=pack_codes(codes), scales=scale.contiguous(),
+                       zeros=None if symmetric else zero.to(torch.uint8).contiguous(),
+                       group_size=group_size, in_features=k)
+
+
+def dequantize(weights: Int4Weights, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The float weight [out, in] of an int4 layout."""
+    codes = unpack_codes(weights.qweight).float()
+    out, padded = codes.shape
+    g = weights.group_size
+    zero = (weights.zeros.float() if weights.zeros is not None
+            else torch.full_like(weights.scales, SYMMETRIC_ZERO))
+    w = (codes.reshape(out, padded // g, g) - zero[:, :, None]) * weights.scales.float()[:, :, None]
+    return w.reshape(out, padded)[:, : weights.in_features].to(dtype)
+
+
+class Int4Linear(nn.Module):
+    """y = x · dequantize(weights)ᵀ + bias, with int4 weight groups and float activations.
+
+    It has no `weight` attribute on purpose: the kernels that read a linear's `weight` and
+    per-row `weight_scale` (contracts/quantization.py, the fused decode step) must not take
+    packed codes for int8 rows."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None
+
+    def __init__(self, weights: Int4Weights, bias: torch.Tensor | None, dtype: torch.dtype):
+        super().__init__()
+        self.in_features = weights.in_features
+        self.out_features = weights.qweight.shape[0]
+        self.group_size = weights.group_size
+        self.dtype = dtype  # the activations' (the model's) dtype
+        self.register_buffer("qweight", weights.qweight.contiguous())
+        self.register_buffer("scales", weights.scales.float().contiguous())
+        self.register_buffer("zeros", None if weights.zeros is None else weights.zeros.contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group_size: int, symmetric: bool) -> Int4Linear:
+        return cls(_quantized_on(linear.weight, group_size, symmetric), linear.bias, linear.weight.dtype)
+
+    @property
+    def weights(self) -> Int4Weights:
+        return Int4Weights(self.qweight, self.scales, self.zeros, self.group_size, self.in_features)
+
+    def quantized_bytes(self) -> int:
+        """The packed codes, scales and zero points, in bytes."""
+        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.zeros) if t is not None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        cpu32 = x2.device.type == "cpu" and x2.dtype == torch.float32
+        linear = _cpu_op("int4_linear") if cpu32 else None
+        if linear is not None and x2.shape[0] <= int4_kernel_max_rows():
+            y = linear(x2.contiguous(), self.qweight, self.scales, self.zeros, self.bias, self.group_size)
+        else:
+            y = F.linear(x2, dequantize(self.weights, x2.dtype), self.bias)
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        kind = "symmetric" if self.zeros is None else "zero points"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"int4 group {self.group_size} {kind}")
+
+
+def _bytes(module: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
+
+
+class Int4Quantization(QuantizationPlugin):
+    """The built-in `int4` method: group 32, symmetric (entry point `pagedserve.quantization: int4`)."""
+
+    name = "int4"
+    group_size = 32
+    symmetric = True
+
+    def quantize(self, model: Any, *, quantize_lm_head: bool = False) -> QuantizationReport:
+        targets = [(name, module) for name, module in model.named_modules()
+                   if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] != "lm_head"]
+        float_bytes = quantized_bytes = 0
+        for name, linear in targets:
+            float_bytes += linear.weight.numel() * linear.weight.element_size()
+            new = Int4Linear.from_linear(linear, self.group_size, self.symmetric)
+            quantized_bytes += new.quantized_bytes()
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, new)
+        lm_head = False
+        if quantize_lm_head and hasattr(model, "lm_head"):
+            head = model.lm_head
+            if isinstance(head, nn.Linear):
+                float_bytes += head.weight.numel() * head.weight.element_size()
+                model.lm_head = Int4Linear.from_linear(head, self.group_size, self.symmetric)
+            elif head is None and isinstance(getattr(model, "embed_tokens", None), nn.Embedding):
+                # tied: the embedding stays float for the lookup, the LM head gets its own int4 copy
+                source = model.embed_tokens.weight
+                model.lm_head = Int4Linear(_quantized_on(source, self.group_size, self.symmetric), None, source.dtype)
+            if isinstance(model.lm_head, Int4Linear):
+                quantized_bytes += model.lm_head.quantized_bytes()
+                lm_head = True
+        return QuantizationReport(method=self.name, num_linear=len(targets), float_bytes=float_bytes,
+                                  quantized_bytes=quantized_bytes, model_bytes=_bytes(model), lm_head=lm_head)
+
+
+def _quantized_on(weight: torch.Tensor, group_size: int, symmetric: bool) -> Int4Weights:
+    """`quantize`, its tensors on the weight's device."""
+    w = quantize(weight, group_size, symmetric)
+    d = weight.device
+    return Int4Weights(w.qweight.to(d), w.scales.to(d), None if w.zeros is None else w.zeros.to(d),
+                       group_size, w.in_features)
+
+
+class Int4G128Quantization(Int4Quantization):
+    """`int4_g128`: group 128, symmetric."""
+
+    name = "int4_g128"
+    group_size = 128
+
+
+class Int4AsymQuantization(Int4Quantization):
+    """`int4_asym`: group 32, a zero point per group."""
+
+    name = "int4_asym"
+    symmetric = False
+
+
+class Int4G128AsymQuantization(Int4Quantization):
+    """`int4_g128_asym`: group 128, a zero point per group."""
+
+    name = "int4_g128_asym"
+    group_size = 128
+    symmetric = False

@@ -1,0 +1,128 @@
+"""The CPU int4 × int8 kernels (kernels/csrc/cpu_int4_gemv.cpp): each ISA path this CPU has
+matches the reference on odd shapes and M = 1..17, and each row is bitwise independent of
+the batch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedserve.kernels.cpu_attention import cpu_kernels
+from pagedserve.plugins.int4_quantization import (
+    Int4Linear,
+    Int4Weights,
+    dequantize,
+    quantize,
+    unpack_codes,
+)
+
+# (in, out, group): K not a multiple of the group, nor of 32, nor of 64; one block; many groups
+SHAPES = [(33, 7, 32), (200, 37, 128), (96, 5, 32), (1, 3, 32), (300, 9, 32), (129, 66, 128)]
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    module = cpu_kernels()
+    if module is None:
+        pytest.skip("the CPU extension cannot be built here (no compiler)")
+    previous = module.int4_kernel()
+    yield module
+    module.set_int4_kernel(previous)
+
+
+def reference(x: torch.Tensor, w: Int4Weights, bias: torch.Tensor | None) -> torch.Tensor:
+    """float64 of what the kernels compute: x quantized to int8 per block of 32 (d = max|x| / 127,
+    round(x·(127 / max|x|)) in float32), exact integer block sums of (q - z)·xq, times d·s."""
+    m, k = x.shape
+    padded = w.qweight.shape[1] * 2
+    xp = F.pad(x, (0, padded - k)).reshape(m, padded // 32, 32)
+    amax = xp.abs().amax(dim=2, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    xq = torch.round(xp * inv).to(torch.int64)  # float32 multiply, as the kernel
+    d = (amax / 127.0).double().squeeze(2)  # [m, blocks]
+    codes = unpack_codes(w.qweight).to(torch.int64)
+    out = codes.shape[0]
+    zeros = w.zeros.to(torch.int64) if w.zeros is not None else torch.full(w.scales.shape, 8, dtype=torch.int64)
+    centred = (codes.reshape(out, -1, w.group_size) - zeros[:, :, None]).reshape(out, padded // 32, 32)
+    sums = torch.einsum("mbi,obi->mob", xq, centred).double()  # exact int64 block sums
+    block_scale = w.scales.double().repeat_interleave(w.group_size // 32, dim=1)  # [out, blocks]
+    y = (sums * d[:, None, :] * block_scale[None]).sum(dim=2)
+    return y if bias is None else y + bias.double()
+
+
+def _case(k: int, n: int, group: int, symmetric: bool, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    w = quantize(torch.randn(n, k, generator=g) * 0.05, group, symmetric)
+    x = torch.randn(17, k, generator=g)
+    x[3] = 0.0  # an all-zero row: scale 0 blocks
+    x[5, : min(k, 40)] *= 100.0  # a block with a large value
+    bias = torch.randn(n, generator=g)
+    return w, x, bias
+
+
+def _kernel_names(kernels) -> list[str]:
+    return list(kernels.int4_kernels())
+
+
+def test_this_cpu_runs_its_best_path(kernels):
+    names = kernels.int4_kernels()
+    assert names[-1] == "scalar"
+    flags = Path("/proc/cpuinfo").read_text()
+    if " avx512_vnni" in flags and " avx512bw" in flags:
+        assert names[0] == "avx512vnni"
+    if " avx2" in flags and " fma" in flags:
+        assert "avx2" in names
+
+
+@pytest.mark.parametrize(("k", "n", "group"), SHAPES)
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_each_path_matches_the_reference_and_rows_do_not_depend_on_the_batch(kernels, k, n, group, symmetric):
+    w, x, bias = _case(k, n, group, symmetric, seed=k * 31 + n + group + symmetric)
+    dequantized = dequantize(w)
+    for name in _kernel_names(kernels):
+        kernels.set_int4_kernel(name)
+        full = kernels.int4_linear(x, w.qweight, w.scales, w.zeros, bias, group)
+        want = reference(x, w, bias)
+        # float32 accumulation of exact block sums: relative to the sum of the terms' sizes
+        size = (x.abs().double() @ dequantized.abs().double().T) + bias.abs().double()
+        assert bool(((full.double() - want).abs() <= 2e-6 * size + 1e-6).all()), name
+        # and the int8 activations stay close to the float product
+        assert bool(((full - F.linear(x, dequantized, bias)).abs() <= 0.02 * size.float() + 1e-4).all()), name
+        for m in range(1, 18):
+            alone = kernels.int4_linear(x[:m].contiguous(), w.qweight, w.scales, w.zeros, bias, group)
+            assert torch.equal(alone, full[:m]), (name, m)
+        for r in (0, 5, 16):  # a row on its own, at another place of the tiles
+            assert torch.equal(kernels.int4_linear(x[r : r + 1].contiguous(), w.qweight, w.scales, w.zeros, bias,
+                                                   group), full[r : r + 1]), (name, r)
+        without_bias = kernels.int4_linear(x, w.qweight, w.scales, w.zeros, None, group)
+        assert torch.allclose(without_bias + bias, full, atol=1e-5), name
+
+
+def test_the_torch_operator_is_the_same_kernel(kernels):
+    w, x, bias = _case(200, 37, 128, False, seed=3)
+    kernels.set_int4_kernel(kernels.int4_kernels()[0])
+    assert torch.equal(torch.ops.pagedserve.int4_linear(x, w.qweight, w.scales, w.zeros, bias, 128),
+                       kernels.int4_linear(x, w.qweight, w.scales, w.zeros, bias, 128))
+
+
+def test_int4_linear_forward_runs_the_kernel_then_the_float_path(kernels):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(200, 37)
+    module = Int4Linear.from_linear(linear, 32, symmetric=True)
+    kernels.set_int4_kernel(kernels.int4_kernels()[0])
+    limit = int(torch.ops.pagedserve.int4_kernel_max_rows())
+    small = torch.randn(3, 200)
+    assert torch.equal(module(small), kernels.int4_linear(small, module.qweight, module.scales, None, module.bias, 32))
+    large = torch.randn(limit + 1, 200)
+    assert torch.equal(module(large), F.linear(large, dequantize(module.weights), module.bias))
+
+
+def test_bad_shapes_are_refused(kernels):
+    w, x, bias = _case(200, 37, 128, True, seed=4)
+    with pytest.raises(RuntimeError, match="group size 32 and padded width 256 do not fit 200 inputs"):
+        kernels.int4_linear(x, w.qweight, w.scales, None, bias, 32)
+    with pytest.raises(RuntimeError, match="unknown kernel 'avx9'"):
+        kernels.set_int4_kernel("avx9")

@@ -1,0 +1,153 @@
+"""The int4 methods' layout: quantize → dequantize within its bound on odd shapes, group size
+and zero points honoured, codes packed two per byte in Q4_0's order."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from pagedserve.plugins.int4_quantization import (
+    Int4AsymQuantization,
+    Int4G128Quantization,
+    Int4Linear,
+    Int4Quantization,
+    dequantize,
+    int4_kernel_max_rows,
+    pack_codes,
+    quantize,
+    unpack_codes,
+)
+
+SHAPES = [(1, 1), (3, 31), (7, 33), (5, 129), (17, 200)]
+
+
+def _groups(w: torch.Tensor, g: int) -> torch.Tensor:
+    out, k = w.shape
+    padded = -(-k // g) * g
+    return torch.nn.functional.pad(w, (0, padded - k)).reshape(out, padded // g, g)
+
+
+def test_codes_are_packed_two_a_byte_in_q4_0_order():
+    codes = torch.arange(64, dtype=torch.uint8).remainder(16).reshape(1, 64)
+    packed = pack_codes(codes)
+    assert packed.shape == (1, 32)
+    # byte i of a block of 32: input i low, input i + 16 high
+    assert packed[0, 0].item() == 0 | (16 % 16) << 4
+    assert packed[0, 3].item() == 3 | (19 % 16) << 4
+    assert packed[0, 16].item() == (32 % 16) | (48 % 16) << 4
+    assert torch.equal(unpack_codes(packed), codes)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("group_size", [32, 128])
+def test_symmetric_round_trip_within_half_a_step(shape, group_size):
+    torch.manual_seed(sum(shape) + group_size)
+    w = torch.randn(shape) * torch.rand(shape[0], 1) * 3
+    q = quantize(w, group_size, symmetric=True)
+    padded = -(-shape[1] // group_size) * group_size
+    assert q.qweight.shape == (shape[0], padded // 2) and q.qweight.dtype == torch.uint8
+    assert q.scales.shape == (shape[0], padded // group_size) and q.zeros is None
+    error = (dequantize(q) - w).abs()
+    step = q.scales.abs().repeat_interleave(group_size, dim=1)[:, : shape[1]]
+    # the group's largest magnitude m is exact (code 0); values within s/2 of -m clamp (<= s)
+    extreme = _groups(w, group_size).abs().amax(dim=2).repeat_interleave(group_size, dim=1)[:, : shape[1]]
+    clamped = (w * torch.sign(q.scales.repeat_interleave(group_size, dim=1)[:, : shape[1]])) > 7.5 * step
+    slack = 1e-6 * extreme
+    assert bool((error[~clamped] <= step[~clamped] / 2 + slack[~clamped]).all())
+    assert bool((error <= step + slack).all())
+    # the extreme value of each group comes back exactly
+    index = _groups(w, group_size).abs().argmax(dim=2)
+    got = _groups(dequantize(q), group_size).gather(2, index[:, :, None]).squeeze(2)
+    assert torch.allclose(got, _groups(w, group_size).gather(2, index[:, :, None]).squeeze(2), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("group_size", [32, 128])
+def test_asymmetric_round_trip_uses_zero_points(shape, group_size):
+    torch.manual_seed(sum(shape) * 3 + group_size)
+    w = torch.rand(shape) * 2 + 0.5  # all positive: the zero point is 0, the step (hi - 0) / 15
+    w[:, ::5] -= 1.2  # some negative: zero points above 0 in those groups
+    q = quantize(w, group_size, symmetric=False)
+    assert q.zeros is not None and q.zeros.dtype == torch.uint8
+    assert q.zeros.shape == q.scales.shape == (shape[0], -(-shape[1] // group_size))
+    assert int(q.zeros.max()) <= 15
+    groups = _groups(w, group_size)
+    lo, hi = groups.amin(2).clamp(max=0), groups.amax(2).clamp(min=0)
+    assert torch.allclose(q.scales, (hi - lo) / 15)
+    assert torch.equal(q.zeros, torch.round(-lo / q.scales).to(torch.uint8))
+    step = q.scales.repeat_interleave(group_size, dim=1)[:, : shape[1]]
+    error = (dequantize(q) - w).abs()
+    assert bool((error <= step * (1 + 1e-5)).all())
+    zero = q.zeros.float().repeat_interleave(group_size, dim=1)[:, : shape[1]]
+    raw = torch.round(w / step) + zero
+    inside = (raw >= 0) & (raw <= 15)  # not clamped
+    assert bool((error[inside] <= step[inside] * (0.5 + 1e-5)).all())
+
+
+def test_asymmetric_is_closer_than_symmetric_on_one_signed_weights():
+    torch.manual_seed(1)
+    w = torch.rand(8, 96) + 0.1
+    for group_size in (32, 128):
+        sym = (dequantize(quantize(w, group_size, True)) - w).abs().mean()
+        asym = (dequantize(quantize(w, group_size, False)) - w).abs().mean()
+        assert asym < sym
+
+
+def test_a_group_of_zeros_gets_scale_one():
+    w = torch.zeros(2, 40)
+    w[1, 35] = 1.0
+    for symmetric in (True, False):
+        q = quantize(w, 32, symmetric)
+        assert q.scales[0].tolist() == [1.0, 1.0] and q.scales[1, 0].item() == 1.0
+        assert torch.equal(dequantize(q), w)
+
+
+def test_group_size_must_be_a_multiple_of_32():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize(torch.ones(2, 64), 48)
+
+
+class _Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed_tokens = nn.Embedding(50, 40)
+        self.proj = nn.Linear(40, 70, bias=True)
+        self.down = nn.Linear(70, 40, bias=False)
+        self.lm_head = nn.Linear(40, 50, bias=False)
+
+
+@pytest.mark.parametrize(("method", "group", "zeros"), [(Int4Quantization, 32, False), (Int4G128Quantization, 128, False),
+                                                        (Int4AsymQuantization, 32, True)])
+@pytest.mark.parametrize("lm_head", [False, True])
+def test_every_linear_is_replaced_and_the_lm_head_only_when_asked(method, group, zeros, lm_head):
+    model = _Tiny()
+    # more rows than the C++ kernel takes (when a test before loaded it): the float path
+    x = torch.randn(int4_kernel_max_rows() + 1, 40)
+    want = model.proj(x)
+    report = method().quantize(model, quantize_lm_head=lm_head)
+    assert isinstance(model.proj, Int4Linear) and isinstance(model.down, Int4Linear)
+    assert model.proj.group_size == group and (model.proj.zeros is not None) == zeros
+    assert isinstance(model.lm_head, Int4Linear) == lm_head and report.lm_head == lm_head
+    assert report.num_linear == 2
+    assert not hasattr(model.proj, "weight")  # kernels reading int8 rows must not take it
+    padded = -(-70 // group) * group
+    per_layer = 70 * (-(-40 // group) * group) // 2 + 70 * (-(-40 // group)) * (5 if zeros else 4)
+    per_layer += 40 * padded // 2 + 40 * (padded // group) * (5 if zeros else 4)
+    head = 50 * (-(-40 // group) * group) // 2 + 50 * (-(-40 // group)) * (5 if zeros else 4)
+    assert report.quantized_bytes == per_layer + (head if lm_head else 0)
+    got = model.proj(x)
+    expected = torch.nn.functional.linear(x, dequantize(model.proj.weights), model.proj.bias)
+    assert torch.allclose(got, expected, atol=1e-4)
+    # each weight is off by at most one step of its group: so is the product, summed
+    steps = model.proj.scales.abs().repeat_interleave(group, dim=1)[:, :40]
+    assert bool(((got - want).abs() <= x.abs() @ steps.T + 1e-5).all())
+
+
+def test_tied_lm_head_gets_its_own_int4_copy():
+    model = _Tiny()
+    model.lm_head = None
+    report = Int4Quantization().quantize(model, quantize_lm_head=True)
+    assert report.lm_head and isinstance(model.lm_head, Int4Linear)
+    assert isinstance(model.embed_tokens, nn.Embedding)  # the lookup stays float
