@@ -11,13 +11,11 @@ import logging
 from pathlib import Path
 from typing import cast
 
-import msgspec
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from pagedserve.common.contracts import (
-    AttentionBackend,
     AttentionMetadata,
     CausalLMPlugin,
     ModelInput,
@@ -25,7 +23,6 @@ from pagedserve.common.contracts import (
     SamplerPlugin,
     ScheduledRequest,
     SchedulerOutput,
-    kv_head_slice,
 )
 from pagedserve.common.engine_config import EngineConfig
 from pagedserve.common.errors import InvalidParameterError
@@ -33,11 +30,12 @@ from pagedserve.engine.decode_graphs import DecodeGraphs, GraphCaptureError
 from pagedserve.engine.device import resolve_device, resolve_dtype
 from pagedserve.engine.grammar_manager import StructuredOutputManager
 from pagedserve.engine.grammar_sampling import advance, mask_logits
-from pagedserve.engine.kv_cache_pool import KVCachePool, KVCacheSpec, resolve_kv_cache_dtype
+from pagedserve.engine.kv_cache_pool import KVCachePool, resolve_kv_cache_dtype
 from pagedserve.engine.model_loader import check_tensor_parallel, load_model
 from pagedserve.engine.sampling_inputs import SamplingInputs, sampled_logprobs
 from pagedserve.engine.speculator import draft_prefixes, verify
-from pagedserve.engine.tensor_parallel import ShardRanks, TorchParallelGroup, cpu_threads_per_rank
+from pagedserve.engine.step_inputs import as_rows, kv_spec_for_rank, step_tensors, with_step_budget
+from pagedserve.engine.tensor_parallel import ShardRanks, cpu_threads_per_rank
 from pagedserve.kernels.cpu_decode import FusedDecoder, fused_decode_supported
 from pagedserve.kernels.selector import select_kernels
 from pagedserve.plugins import load_plugin
@@ -173,7 +171,7 @@ class ModelRunner:
         return self._prepare_mixed(entries)
 
     def _prepare_mixed(self, entries: list[ScheduledRequest]) -> ModelInput:
-        is_rows = [_as_rows(e) for e in entries]  # one-token rows
+        is_rows = [as_rows(e) for e in entries]  # one-token rows
         order = [i for i, rows in enumerate(is_rows) if rows] + [i for i, rows in enumerate(is_rows) if not rows]
         bs = self.block_size
         max_blocks = max(len(e.block_ids) for e in entries)
@@ -293,64 +291,3 @@ class ModelRunner:
 
     def _tensors(self, batch: ModelInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         return step_tensors(batch, self.device, self.attention_backend, self.block_size)
-
-
-def kv_spec_for_rank(hf_config, kv_cache_dtype: torch.dtype, parallel: TorchParallelGroup | None) -> KVCacheSpec:
-    """The KV shape this rank holds: every KV head, or under tensor parallelism its share
-    (one replicated head when there are fewer KV heads than ranks)."""
-    spec = KVCacheSpec.for_model(hf_config, kv_cache_dtype)
-    if parallel is not None:
-        spec.num_kv_heads = kv_head_slice(hf_config.num_attention_heads, spec.num_kv_heads, parallel.rank,
-                                          parallel.world_size).size
-    return spec
-
-
-def step_tensors(batch: ModelInput, dev: torch.device, backend: AttentionBackend, block_size: int,
-                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-    """Input ids, positions and attention metadata on the device, for an eager forward."""
-    query_start = np.zeros(len(batch.query_lens) + 1, dtype=np.int32)
-    np.cumsum(batch.query_lens, out=query_start[1:])
-    metadata = AttentionMetadata(
-        slot_mapping=torch.from_numpy(batch.slots).to(dev),
-        query_start_loc=torch.from_numpy(query_start).to(dev),
-        seq_lens=torch.tensor(batch.seq_lens, dtype=torch.int32, device=dev),
-        block_tables=torch.from_numpy(batch.block_tables).to(dev),
-        num_decodes=batch.num_decodes,
-        max_seq_len=max(batch.seq_lens),
-        query_lens_cpu=batch.query_lens,
-        seq_lens_cpu=batch.seq_lens,
-        backend=backend,
-    )
-    backend.prepare(metadata, block_size)
-    input_ids = torch.tensor(batch.input_ids, dtype=torch.long, device=dev)
-    return input_ids, torch.from_numpy(batch.positions).to(dev), metadata
-
-
-#: the most uncomputed output tokens of one sequence laid out as one-token rows
-MAX_ROWS_PER_SEQUENCE = 16
-
-
-def _as_rows(entry: ScheduledRequest) -> bool:
-    """Whether an entry's tokens go in as one-token rows rather than one chunk: a decode, a
-    verification of drafts, and a decoding sequence's few tokens not yet computed (those a
-    grammar forced, appended in one step). Rows keep a step of decoding sequences on the
-    decode fast paths (the fused CPU step, CUDA graphs); a chunk would send it down the
-    prefill path."""
-    n = entry.num_new_tokens
-    if n == 1 or entry.spec_token_ids:
-        return True
-    request = entry.request
-    return request.num_computed_tokens >= request.num_prompt_tokens and n <= MAX_ROWS_PER_SEQUENCE
-
-
-def with_step_budget(config: EngineConfig, max_model_len: int, device_type: str) -> EngineConfig:
-    """The config with its step token budget resolved for the device: without chunked
-    prefill a whole prompt must fit one step."""
-    budget = config.token_budget(device_type, torch.get_num_threads() if device_type == "cpu" else None)
-    if not config.enable_chunked_prefill:
-        if config.max_num_batched_tokens is None:
-            budget = max(budget, max_model_len)
-        elif max_model_len > budget:
-            raise InvalidParameterError("max_num_batched_tokens",
-                                        f"without chunked prefill it must be >= max_model_len ({max_model_len})")
-    return msgspec.structs.replace(config, max_num_batched_tokens=budget)

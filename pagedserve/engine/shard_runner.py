@@ -31,7 +31,7 @@ from pagedserve.common.contracts import CausalLMPlugin, ModelInput
 from pagedserve.engine.device import resolve_device, resolve_dtype
 from pagedserve.engine.kv_cache_pool import KVCachePool, resolve_kv_cache_dtype
 from pagedserve.engine.model_loader import load_model
-from pagedserve.engine.model_runner import kv_spec_for_rank, step_tensors
+from pagedserve.engine.step_inputs import kv_spec_for_rank, step_tensors
 from pagedserve.engine.tensor_parallel import (
     IDLE_WAIT,
     ShardInit,

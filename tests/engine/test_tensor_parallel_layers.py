@@ -18,7 +18,7 @@ from pagedserve.common.contracts import (
 )
 from pagedserve.engine.tensor_parallel import TorchParallelGroup
 from pagedserve.plugins.int8_quantization import Int8Quantization, quantize_per_channel
-from pagedserve.plugins.models.parallel import (
+from pagedserve.plugins.models.parallel_layers import (
     ColumnParallelLinear,
     ParallelLMHead,
     RowParallelLinear,

@@ -393,10 +393,10 @@ def test_unknown_quantization_is_an_invalid_parameter():
     from pagedserve.common.engine_config import EngineConfig
     from pagedserve.common.errors import InvalidParameterError
 
-    with pytest.raises(InvalidParameterError, match="int4.*choices: int8") as info:
-        LLM(quantization="int4")
+    with pytest.raises(InvalidParameterError, match="int3.*choices: int4, int4_asym, int4_g128, int4_g128_asym, int8") as info:
+        LLM(quantization="int3")
     assert info.value.param == "quantization"
-    with pytest.raises(InvalidParameterError, match="choices: int8"):
+    with pytest.raises(InvalidParameterError, match="unknown method ''; choices: int4, .*, int8"):
         EngineConfig(quantization="")
     assert EngineConfig(quantization="int8").quantization == "int8"
 

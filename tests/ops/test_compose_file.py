@@ -27,6 +27,7 @@ IMAGES = {
     "gateway": ("PAGEDSERVE_GATEWAY_IMAGE", "pagedserve-gateway:0.1.0"),
     "prefix-cache": ("PAGEDSERVE_GATEWAY_IMAGE", "pagedserve-gateway:0.1.0"),  # torch-free, like the gateway
     "worker": ("PAGEDSERVE_WORKER_GPU_IMAGE", "pagedserve-worker:0.1.0-cuda"),
+    "worker-tp": ("PAGEDSERVE_WORKER_GPU_IMAGE", "pagedserve-worker:0.1.0-cuda"),  # --profile gpu-tp
     "worker-cpu": ("PAGEDSERVE_WORKER_CPU_IMAGE", "pagedserve-worker:0.1.0-cpu"),
     "jaeger": ("JAEGER_IMAGE", "jaegertracing/all-in-one:1.62.0"),
     "prometheus": ("PROMETHEUS_IMAGE", "prom/prometheus:v3.1.0"),
@@ -103,11 +104,18 @@ def test_workers_scale_and_expose_metrics_and_traces(compose, name):
 def test_the_gpu_worker_reserves_a_gpu_and_the_cpu_worker_none(compose):
     gpu, cpu = compose["services"]["worker"], compose["services"]["worker-cpu"]
     assert gpu["profiles"] == ["gpu"]
-    tp = "${PAGEDSERVE_TENSOR_PARALLEL_SIZE:-1}"  # a worker split over N GPUs reserves N
     assert gpu["deploy"]["resources"]["reservations"]["devices"] == [
-        {"driver": "nvidia", "count": tp, "capabilities": ["gpu"]}]
-    assert gpu["environment"]["PAGEDSERVE_TENSOR_PARALLEL_SIZE"] == tp
-    assert (resolve(tp), resolve(tp, {"PAGEDSERVE_TENSOR_PARALLEL_SIZE": "4"})) == ("1", "4")
+        {"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
+    assert "PAGEDSERVE_TENSOR_PARALLEL_SIZE" not in gpu["environment"]
+    # the tensor-parallel worker reserves every GPU of the host (Compose v1 takes no variable
+    # for `count`) and runs the ranks it is told
+    tp = compose["services"]["worker-tp"]
+    assert tp["profiles"] == ["gpu-tp"]
+    assert tp["deploy"]["resources"]["reservations"]["devices"] == [
+        {"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}]
+    size = tp["environment"]["PAGEDSERVE_TENSOR_PARALLEL_SIZE"]
+    assert (resolve(size), resolve(size, {"PAGEDSERVE_TENSOR_PARALLEL_SIZE": "4"})) == ("2", "4")
+    assert tp["image"] == gpu["image"] and tp["environment"]["PAGEDSERVE_DEVICE"] == "cuda"
     assert gpu["environment"]["PAGEDSERVE_DEVICE"] == "cuda"
     assert gpu["build"]["args"]["BASE_IMAGE"] == "${CUDA_BASE_IMAGE:-nvidia/cuda:12.8.1-runtime-ubuntu24.04}"
     assert cpu["profiles"] == ["cpu"]
@@ -128,6 +136,8 @@ def test_profiles_plain_up_starts_gpu_workers_and_profile_cpu_only_cpu_workers(c
     assert active_services(compose, [], {**env, "COMPOSE_PROFILES": "cpu"}) == common | {"worker-cpu"}
     # Grafana joins only with its profile
     assert active_services(compose, ["cpu", "observability"], env) == common | {"worker-cpu", "grafana"}
+    # the tensor-parallel worker only with its own
+    assert active_services(compose, ["gpu-tp"], {}) == common | {"worker-tp"}
 
 
 def test_the_models_service_pulls_an_alias_once_or_takes_a_checkpoint_directory(compose):

@@ -7,7 +7,7 @@ from the checkpoint's separate tensors.
 
 Built with `parallel=` (tensor parallelism, common/contracts/parallel.py), each rank holds a
 shard: q/k/v and gate/up column-parallel, o_proj and down_proj row-parallel, the embedding
-and LM head split by vocabulary (parallel.py), the KV heads split, or replicated when there
+and LM head split by vocabulary (parallel_layers.py), the KV heads split, or replicated when there
 are fewer of them than ranks. Without it the modules are the plain ones, unchanged.
 """
 
@@ -34,7 +34,7 @@ from pagedserve.common.contracts import (
     tensor_parallel_sizes_problem,
 )
 from pagedserve.plugins.models.norm import RMSNorm
-from pagedserve.plugins.models.parallel import (
+from pagedserve.plugins.models.parallel_layers import (
     ColumnParallelLinear,
     ParallelLMHead,
     RowParallelLinear,
@@ -208,10 +208,10 @@ class LlamaForCausalLM(nn.Module, CausalLMPlugin):
         # A subclass that computes anything differently (its own forward or LM head) must
         # not be run by a kernel that only knows this computation.
         cls = type(self)
-        if self.parallel is not None:
-            return None  # a shard: the fused kernel has no all-reduce between its layers
         if cls.forward is not LlamaForCausalLM.forward or cls.compute_logits is not LlamaForCausalLM.compute_logits:
             return None
+        if self.parallel is not None:
+            return None  # a shard: the fused kernel has no all-reduce between its layers
         # int4 weights (plugins/int4_quantization.py) have packed codes and group scales, no
         # `weight` rows: the fused decode step does not read them yet (it would take them here,
         # with an int4 GEMV slot next to its int8 one in kernels/csrc/cpu_decode.cpp)
