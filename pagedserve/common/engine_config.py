@@ -21,6 +21,10 @@ DEFAULT_TOKEN_BUDGET = {"cpu": 2048, "cuda": 8192}
 CPU_TOKENS_PER_THREAD = 1024
 
 
+#: --int8-kernel choices: auto (timed at load), flags (the CPU's best, untimed), or a kernel's
+#: name (whether this CPU can run it is checked at load)
+INT8_KERNELS = ("auto", "flags", "avx512vnni", "avxvnni", "avx2", "float")
+
 #: --kv-cache-dtype choices (auto: the model's dtype); fp8_e4m3 only on a CUDA device
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
 
@@ -91,10 +95,19 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     #: default model's width 576. Larger values keep a row's bits independent of its batch at
     #: every decode size (the eager forward's BLAS does not), at that cost
     fused_decode_max_batch: int = 16
+    #: in the fused CPU step, float32 products (and the LM head) of this many rows and more call
+    #: torch's BLAS instead of our batch-invariant kernels; 0: never. BLAS is faster there but
+    #: a row's bits then depend on its batch, as in the eager forward, which uses the same BLAS
+    fused_decode_blas_rows: int = 0
     #: weight quantization at load time: an entry point in pagedserve.quantization (int8:
     #: weight-only int8, one scale per output channel); None: the checkpoint's float weights
     quantization: str | None = None
     quantize_lm_head: bool = False  # with `quantization`: the LM head too (the embedding lookup stays float)
+    #: CPU, int8 weights: which kernel the int8 linear layers run. auto: each kernel the CPU can
+    #: run is timed on the model's own layers at load and the fastest kept
+    #: (kernels/int8_kernel_choice.py); flags: the best the CPU's flags allow, untimed; or a
+    #: name: avx512vnni | avxvnni | avx2 (int8 × int8 products) | float (weights widened to float32)
+    int8_kernel: str = "auto"
     #: the KV cache's element type: auto (the model's dtype) | int8 (per row: head_dim int8
     #: values and a float32 scale; CPU and GPU) | fp8_e4m3 (CUDA only). A quantized cache
     #: holds more tokens in the same --kv-cache-memory; its blocks hash apart from float ones
@@ -163,6 +176,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise InvalidParameterError("cuda_graph_max_batch", "must be >= 1")
         if self.fused_decode_max_batch < 0:
             raise InvalidParameterError("fused_decode_max_batch", "must be >= 0 (0: off)")
+        if self.fused_decode_blas_rows < 0:
+            raise InvalidParameterError("fused_decode_blas_rows", "must be >= 0 (0: never)")
         if self.max_num_seqs < 1:
             raise InvalidParameterError("max_num_seqs", "must be >= 1")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -217,6 +232,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if self.tensor_parallel_size > 1 and self.kv_tier_memory:
             raise InvalidParameterError("kv_tier_memory", "the KV tier holds unsharded blocks: it does not work "
                                         "with tensor_parallel_size > 1 yet")
+        if self.int8_kernel not in INT8_KERNELS:
+            raise InvalidParameterError("int8_kernel", f"must be {', '.join(INT8_KERNELS)}, got {self.int8_kernel!r}")
         if self.quantization is not None:
             methods = quantization_methods()
             if self.quantization not in methods:

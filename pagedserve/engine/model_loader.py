@@ -57,14 +57,33 @@ def check_tensor_parallel(hf_config, world_size: int) -> None:
         raise InvalidParameterError("tensor_parallel_size", problem)
 
 
+def _choose_int8_kernel(model: torch.nn.Module, asked: str) -> None:
+    """Select the int8 linear kernel of this process for the model's int8 layers (timed on
+    them with `auto`), where the C++ extension is loaded; an unavailable name is refused."""
+    from pagedserve.kernels.cpu_attention import cpu_kernels
+    from pagedserve.kernels.int8_kernel_choice import choose_int8_kernel, int8_layers
+
+    extension = cpu_kernels()
+    layers = int8_layers(model)
+    if extension is None or not layers:
+        return
+    try:
+        choice = choose_int8_kernel(extension, layers, asked)
+    except ValueError as exc:
+        raise InvalidParameterError("int8_kernel", str(exc)) from None
+    logger.info("%s", choice.describe())
+
+
 def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.device, kernels: Kernels,
                load_format: str = "auto", quantization: str | None = None,
-               quantize_lm_head: bool = False, parallel: ParallelGroup | None = None) -> torch.nn.Module:
+               quantize_lm_head: bool = False, parallel: ParallelGroup | None = None,
+               int8_kernel: str = "auto") -> torch.nn.Module:
     """The `pagedserve.models` plugin named by config.json's `architectures`, with weights:
     the checkpoint's (`auto`), or seeded random ones (`dummy`: a config.json and a
     tokenizer are enough, to measure a model whose weights are not at hand). With
     `quantization`, the `pagedserve.quantization` plugin of that name then quantizes its
-    linear layers. With `parallel` (tensor parallelism) it holds this rank's shards."""
+    linear layers. With `parallel` (tensor parallelism) it holds this rank's shards. On CPU,
+    int8 weights then run the kernel `int8_kernel` picks (kernels/int8_kernel_choice.py)."""
     prequantized = checkpoint_format(hf_config, quantization) if load_format != "dummy" else None
     if prequantized is not None and parallel is not None:
         raise InvalidParameterError("tensor_parallel_size", f"a {prequantized.method} checkpoint loads on one rank only")
@@ -103,6 +122,8 @@ def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.dev
         logger.info("%s: %d linear layers, %.1f MB of float weights now %.1f MB (LM head %s); model %.1f MB",
                     report.method, report.num_linear, report.float_bytes / 1e6, report.quantized_bytes / 1e6,
                     "quantized" if report.lm_head else "float", report.model_bytes / 1e6)
+        if device.type == "cpu":
+            _choose_int8_kernel(model, int8_kernel)
     if (quantization is not None or prequantized is not None) and device.type == "cuda":
         # the float weights the quantized modules replaced go back to the device, so that the KV
         # pool, sized from the free memory, counts the packed weights and not the float ones

@@ -77,7 +77,7 @@ class ModelRunner:
         """The model, the KV cache and the decode fast path (this rank's shards under TP)."""
         parallel = self.ranks.group if self.ranks is not None else None
         self.model = load_model(model_dir, hf_config, self.dtype, self.device, self.kernels, config.load_format,
-                                config.quantization, config.quantize_lm_head, parallel)
+                                config.quantization, config.quantize_lm_head, parallel, config.int8_kernel)
         self.vocab_size: int = hf_config.vocab_size
         self.block_size = config.block_size
 
@@ -112,7 +112,10 @@ class ModelRunner:
         # only with the C++ attention backend: a test or user who chose `torch` or `triton`
         # attention gets those kernels in every step
         if self.attention_backend.name == "cpu" and config.fused_decode_max_batch > 0 and not config.enforce_eager:
-            self.enable_fused_decode(min(config.fused_decode_max_batch, config.max_num_seqs))
+            # a speculative step verifies up to num_speculative_tokens drafts per sequence, a row each
+            query_len = 1 + config.num_speculative_tokens if config.speculative_method else 1
+            self.enable_fused_decode(min(config.fused_decode_max_batch, config.max_num_seqs * query_len),
+                                     config.fused_decode_blas_rows, query_len)
 
     def enable_decode_graphs(self, max_batch: int, max_model_len: int, cuda_graphs: bool = True) -> None:
         """Run decode-only steps of up to `max_batch` sequences from CUDA graphs (see
@@ -120,7 +123,7 @@ class ModelRunner:
         self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.attention_backend, self.block_size,
                                           max_batch, max_model_len, self.device, cuda_graphs)
 
-    def enable_fused_decode(self, max_batch: int) -> None:
+    def enable_fused_decode(self, max_batch: int, blas_rows: int = 0, max_query_len: int = 1) -> None:
         """Run decode-only steps of up to `max_batch` sequences, and the LM head of up to
         `max_batch` rows, in the fused C++ step (kernels/cpu_decode.py), where the model and
         dtype allow it; else log why not and stay eager."""
@@ -130,8 +133,10 @@ class ModelRunner:
             logger.info("decode steps run eagerly: %s", problem)
             return
         assert weights is not None  # checked above
-        self.fused_decoder = FusedDecoder(weights, self.kv_caches, max_batch)
-        logger.info("decode steps of up to %d sequences run in the fused CPU step", max_batch)
+        self.fused_decoder = FusedDecoder(weights, self.kv_caches, max_batch, blas_rows, max_query_len)
+        logger.info("decode steps of up to %d sequences run in the fused CPU step%s", max_batch,
+                    f" (float32 products of {blas_rows} rows and more by torch's BLAS)" if 0 < blas_rows <= max_batch
+                    else "")
 
     @torch.inference_mode()
     def run(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
@@ -243,7 +248,7 @@ class ModelRunner:
                 logger.warning("CUDA graph capture failed (%s); decode steps run eagerly from now on", exc)
                 self.decode_graphs = None
         fused = self.fused_decoder
-        if fused is not None and batch.num_decodes == len(batch.query_lens) <= fused.max_batch:
+        if fused is not None and fused.takes(batch):
             return fused.forward(batch)
         input_ids, positions, metadata = self._tensors(batch)
         return self.model(input_ids, positions, metadata, self.kv_caches)

@@ -6,7 +6,8 @@ a step in csrc/cpu_decode.cpp — its own matrix products, which read the weight
 twice the speed of torch's batch-1 `F.linear` and, from 8 rows, run in register tiles
 (same bits, batch-invariant), and the element-wise work in the same loops, split across
 threads by rows in large steps, with no Python or aten calls per layer. The runner uses it
-for decode-only steps of up to `fused_decode_max_batch` rows (16 by default; it runs any
+for decode-only steps of up to `fused_decode_max_batch` rows (and, with speculative decoding,
+for steps that verify drafts: each draft a row, see `FusedDecoder.forward`) (16 by default; it runs any
 number, but at batch 64 it measured slower than the eager forward, see EngineConfig); every other step (prefill chunks, mixed batches)
 runs the model's own `forward`.
 
@@ -53,12 +54,16 @@ def _scales(w: DecoderLayerWeights) -> list[torch.Tensor | None]:
 class FusedDecoder:
     """The decode forward and the LM head of one model, for batches of a few sequences."""
 
-    def __init__(self, weights: DecoderWeights, kv_caches: list[torch.Tensor], max_batch: int):
+    def __init__(self, weights: DecoderWeights, kv_caches: list[torch.Tensor], max_batch: int, blas_rows: int = 0,
+                 max_query_len: int = 1):
         kernels = cpu_kernels()
         assert kernels is not None, "check fused_decode_supported first"
         self._kernels = kernels
         self.kv_caches = kv_caches
-        self.max_batch = max_batch
+        self.max_batch = max_batch  # the most rows (tokens) of a step run here
+        #: the most tokens of one sequence in a step run here: 1 (decodes), or 1 + the drafts a
+        #: speculative step verifies, each draft a row of its own (see `takes`)
+        self.max_query_len = max_query_len
         self.num_steps = 0  # decode steps run here (the rest ran the model's forward)
         self.lm_head = weights.lm_head
         self.lm_head_scale = weights.lm_head_scale
@@ -69,17 +74,36 @@ class FusedDecoder:
         self._impl = kernels.FusedDecoder(weights.embed, layers, weights.final_norm, weights.cos.float(),
                                           weights.sin.float(), weights.num_heads, weights.num_kv_heads,
                                           weights.head_dim, weights.rms_norm_eps)
+        #: from this many rows the float32 products (the LM head's too) run torch's BLAS (0: never)
+        self.blas_rows = blas_rows
+        self._impl.set_blas_rows(blas_rows)
+
+    def takes(self, batch: ModelInput) -> bool:
+        """Whether this step runs here: at most `max_batch` tokens, and no sequence with more
+        than `max_query_len` (decodes, and speculative verifications of a few drafts)."""
+        return len(batch.input_ids) <= self.max_batch and max(batch.query_lens, default=0) <= self.max_query_len
 
     def forward(self, batch: ModelInput) -> torch.Tensor:
-        """Hidden states [num_seqs, hidden] of a decode-only step (one token per sequence)."""
-        assert batch.num_decodes == len(batch.query_lens) <= self.max_batch, "decode-only steps of up to max_batch"
+        """Hidden states [num_tokens, hidden] of a step that `takes` accepts.
+
+        Each token is a row, as a decode is: its K/V is stored at its slot, then it attends to
+        its sequence's context up to its own position (its block table, its position + 1
+        tokens). So a sequence verifying k drafts is k + 1 rows over one block table: every
+        row's K/V is stored before any row attends, and each row sees exactly the tokens
+        before it, which is causal attention over the drafts, with every weight read once for
+        all the rows of the step."""
+        assert self.takes(batch), "at most max_batch tokens and max_query_len per sequence"
         self.num_steps += 1
+        positions = np.ascontiguousarray(batch.positions, dtype=np.int64)
+        tables = np.ascontiguousarray(batch.block_tables, dtype=np.int32)
+        if len(batch.input_ids) != len(batch.query_lens):  # a sequence of several rows
+            tables = np.ascontiguousarray(np.repeat(tables, batch.query_lens, axis=0))
         return self._impl.forward(
             torch.tensor(batch.input_ids, dtype=torch.long),
-            torch.from_numpy(np.ascontiguousarray(batch.positions, dtype=np.int64)),
+            torch.from_numpy(positions),
             torch.from_numpy(np.ascontiguousarray(batch.slots, dtype=np.int64)),
-            torch.from_numpy(np.ascontiguousarray(batch.block_tables, dtype=np.int32)),
-            torch.tensor(batch.seq_lens, dtype=torch.int32),
+            torch.from_numpy(tables),
+            torch.from_numpy((positions + 1).astype(np.int32)),
             self.kv_caches,
         )
 
@@ -87,6 +111,8 @@ class FusedDecoder:
         """float32 logits [n, vocab] of a few rows of final hidden states."""
         if self.lm_head_scale is not None:
             return self._kernels.small_linear_int8(hidden.contiguous(), self.lm_head, self.lm_head_scale)
+        if 0 < self.blas_rows <= hidden.shape[0]:
+            return torch.mm(hidden, self.lm_head.t())
         return self._kernels.small_linear(hidden.contiguous(), self.lm_head)
 
     def set_profile(self, on: bool) -> None:

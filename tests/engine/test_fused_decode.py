@@ -101,3 +101,41 @@ def test_fused_decode_is_off_where_it_cannot_run(tiny_checkpoint):
     assert LLM(model_dir, dtype="bfloat16", kv_cache_memory=1 << 22).engine.runner.fused_decoder is None
     # another attention backend chosen: its kernels run every step
     assert LLM(model_dir, attention_backend="torch", kv_cache_memory=1 << 22).engine.runner.fused_decoder is None
+
+
+@pytest.mark.parametrize("model_name", ["llama-gqa", "qwen2"])
+def test_fused_steps_with_blas_products_keep_the_eager_ids(tiny_checkpoint, model_name):
+    """`fused_decode_blas_rows=4`: fused decode steps of 4 rows and more run their float32
+    products (and the LM head) through torch's BLAS, smaller ones our own kernels; the ids equal
+    the eager engine's, and the step's hidden states and logits its forward's (qwen2: a bias on
+    q/k/v, through addmm)."""
+    from engine_helpers import assert_fused_step_equals_eager
+
+    model_dir = str(tiny_checkpoint(model_name))
+    prompts = mixed_prompts(10, seed=3)
+    lengths = [5 + i % 4 for i in range(10)]
+    options = dict(kv_cache_memory=1 << 23, max_num_batched_tokens=2048)
+    expected = _greedy(LLM(model_dir, enforce_eager=True, **options), prompts, lengths)
+    llm = LLM(model_dir, fused_decode_max_batch=256, fused_decode_blas_rows=4, **options)
+    fused = llm.engine.runner.fused_decoder
+    assert fused is not None and fused.blas_rows == 4
+    calls = []
+    forward = fused.forward
+
+    def counting(batch):
+        calls.append(batch.num_decodes)
+        return forward(batch)
+
+    fused.forward = counting
+    assert _greedy(llm, prompts, lengths) == expected
+    assert max(calls) == 10 and min(calls) < 4  # both kinds of step ran
+    assert_fused_step_equals_eager(LLM(model_dir, fused_decode_blas_rows=1, kv_cache_memory=1 << 22).engine)
+
+
+def test_blas_rows_must_not_be_negative():
+    from pagedserve.common.engine_config import EngineConfig
+    from pagedserve.common.errors import InvalidParameterError
+
+    with pytest.raises(InvalidParameterError, match="must be >= 0"):
+        EngineConfig(fused_decode_blas_rows=-1)
+    assert EngineConfig().fused_decode_blas_rows == 0

@@ -102,6 +102,16 @@ def test_greedy_ids_identical_to_no_speculation(tiny_checkpoint, fused):
     truth = {tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, plain.generate(prompts, long))}
     oracle = OracleProposer(truth)
     spec = speculative_llm(model, oracle, **options)
+    fused_query_lens: list[int] = []  # the longest query of each step the fused step ran
+    if fused:
+        decoder = spec.engine.runner.fused_decoder
+        forward = decoder.forward
+
+        def recording(batch):
+            fused_query_lens.append(max(batch.query_lens))
+            return forward(batch)
+
+        decoder.forward = recording
 
     cases = [
         SamplingParams(max_tokens=37, temperature=0.0, ignore_eos=True),  # 37: max_tokens cuts a draft run
@@ -128,8 +138,9 @@ def test_greedy_ids_identical_to_no_speculation(tiny_checkpoint, fused):
     assert counters.num_proposed == oracle.num_proposed >= counters.num_drafts  # some never got verified
     assert 0 < counters.num_accepted < counters.num_drafts  # drafts were both accepted and rejected
     assert spec.engine.scheduler.num_preemptions > 0 and plain.engine.scheduler.num_preemptions > 0
-    if fused:
-        assert spec.engine.runner.fused_decoder.num_steps > 0  # verification rows ran in the fused step
+    if fused:  # verification steps ran in the fused step, each draft a row
+        assert spec.engine.runner.fused_decoder.max_query_len == 1 + spec.engine.config.num_speculative_tokens
+        assert max(fused_query_lens) > 1  # (steps of more than 16 rows, max_batch, ran eagerly)
 
 
 def test_stop_string_inside_an_accepted_run(tiny_checkpoint):

@@ -137,9 +137,11 @@ def test_int8_weights_split_across_two_ranks_are_the_unsplit_ones(llama8):
 
     prompts = mixed_prompts(6, seed=11)
     first = SamplingParams(max_tokens=1, temperature=0.0, logprobs=5)
-    one = LLM(str(llama8), kv_cache_memory=1 << 20, quantization="int8", **OPTIONS)
+    # one kernel on every rank and in both engines (not each process's own timed choice)
+    one = LLM(str(llama8), kv_cache_memory=1 << 20, quantization="int8", int8_kernel="flags", **OPTIONS)
     expected = one.generate(prompts, first)
-    two = LLM(str(llama8), kv_cache_memory=1 << 19, quantization="int8", tensor_parallel_size=2, **OPTIONS)
+    two = LLM(str(llama8), kv_cache_memory=1 << 19, quantization="int8", int8_kernel="flags", tensor_parallel_size=2,
+              **OPTIONS)
     try:
         got = two.generate(prompts, first)
         dense, shard = one.engine.runner.model.layers[1], two.engine.runner.model.layers[1]

@@ -40,6 +40,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -422,11 +423,30 @@ struct Layer {
   torch::Tensor qkv_scale, o_proj_scale, gate_up_scale, down_scale;  // defined: that weight is int8
 };
 
-// y = x·wᵀ (+ bias) of m rows, float32 w, or int8 w with one scale per row when `scale` is defined.
+// y = x·wᵀ (+ bias) of m rows by torch's BLAS (at::mm_out, oneDNN/MKL on x86), float32 w
+// [out, in]. Faster than our own products from a few dozen rows, but not batch-invariant: a
+// row's bits depend on how many rows share the call (benchmarks/linear_tiles.py's check), as
+// they do in the eager forward that runs the same BLAS at these sizes.
+void linear_rows_blas(const float* x, int64_t m, int64_t in, const torch::Tensor& w, const float* bias,
+                      int64_t out, float* y) {
+  const auto opts = torch::TensorOptions().dtype(at::kFloat);
+  auto xt = torch::from_blob(const_cast<float*>(x), {m, in}, opts);
+  auto yt = torch::from_blob(y, {m, out}, opts);
+  if (bias) {
+    at::addmm_out(yt, torch::from_blob(const_cast<float*>(bias), {out}, opts), xt, w.t());
+  } else {
+    at::mm_out(yt, xt, w.t());
+  }
+}
+
+// y = x·wᵀ (+ bias) of m rows, float32 w, or int8 w with one scale per row when `scale` is
+// defined. float32 w from `blas_rows` rows on (0: never) goes to torch's BLAS.
 inline void linear_any(const float* x, int64_t m, int64_t in, const torch::Tensor& w, const torch::Tensor& scale,
-                       const float* bias, int64_t out, float* y) {
+                       const float* bias, int64_t out, float* y, int64_t blas_rows = 0) {
   if (scale.defined())
     linear_rows_int8(x, m, in, w.data_ptr<int8_t>(), scale.data_ptr<float>(), bias, out, y);
+  else if (blas_rows > 0 && m >= blas_rows)
+    linear_rows_blas(x, m, in, w, bias, out, y);
   else
     linear_rows(x, m, in, w.data_ptr<float>(), bias, out, y);
 }
@@ -605,7 +625,7 @@ class FusedDecoder {
       });
       lap(other_ns_);
       linear_any(normed, m, H, L.qkv, L.qkv_scale, L.qkv_bias.defined() ? L.qkv_bias.data_ptr<float>() : nullptr,
-                 qkv_out, qkv_.data());
+                 qkv_out, qkv_.data(), blas_rows_);
       lap(linear_ns_);
       auto& kv = kv_caches[li];
       char* k_cache = static_cast<char*>(kv.data_ptr());  // bytes: float32 or int8 rows
@@ -643,14 +663,14 @@ class FusedDecoder {
       lap(other_ns_);
       auto attn = paged_decode_attention(q_rows, kv[0], kv[1], block_tables, seq_lens, scale_);
       lap(attention_ns_);
-      linear_any(attn.data_ptr<float>(), m, q_size_, L.o_proj, L.o_proj_scale, nullptr, H, hidden);
+      linear_any(attn.data_ptr<float>(), m, q_size_, L.o_proj, L.o_proj_scale, nullptr, H, hidden, blas_rows_);
       lap(linear_ns_);
       for_rows(m, H, [&](int64_t r0, int64_t r1) {
         for (int64_t i = r0 * H; i < r1 * H; ++i) residual[i] += hidden[i];
         rms_norm_rows(residual + r0 * H, r1 - r0, H, L.post_norm.data_ptr<float>(), eps_, normed + r0 * H);
       });
       lap(other_ns_);
-      linear_any(normed, m, H, L.gate_up, L.gate_up_scale, nullptr, 2 * I, mlp_.data());
+      linear_any(normed, m, H, L.gate_up, L.gate_up_scale, nullptr, 2 * I, mlp_.data(), blas_rows_);
       lap(linear_ns_);
       for_rows(m, I, [&](int64_t r0, int64_t r1) {
         for (int64_t r = r0; r < r1; ++r) {
@@ -662,7 +682,7 @@ class FusedDecoder {
         }
       });
       lap(other_ns_);
-      linear_any(act_.data(), m, I, L.down, L.down_scale, nullptr, H, hidden);
+      linear_any(act_.data(), m, I, L.down, L.down_scale, nullptr, H, hidden, blas_rows_);
       lap(linear_ns_);
     }
     for (int64_t i = 0; i < m * H; ++i) residual[i] += hidden[i];
@@ -679,6 +699,11 @@ class FusedDecoder {
     return out;
   }
   void set_profile(bool on) { profile_ = on; }
+  // From how many rows the float32 products of a step call torch's BLAS (0: never); returns the old value.
+  int64_t set_blas_rows(int64_t rows) {
+    TORCH_CHECK(rows >= 0, "set_blas_rows: a row count, or 0 for never");
+    return std::exchange(blas_rows_, rows);
+  }
 
  private:
   torch::Tensor embed_, final_norm_, cos_, sin_;
@@ -689,6 +714,7 @@ class FusedDecoder {
   double scale_ = 1.0;
   std::vector<float> residual_, normed_, qkv_, mlp_, act_;  // scratch, grown to the largest batch
   bool profile_ = false;
+  int64_t blas_rows_ = 0;  // set_blas_rows
   int64_t linear_ns_ = 0, attention_ns_ = 0, other_ns_ = 0;
 };
 
@@ -729,5 +755,6 @@ void bind_cpu_decode(pybind11::module& m) {
                           torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t, double>())
       .def("forward", &FusedDecoder::forward)
       .def("take_profile", &FusedDecoder::take_profile)
-      .def("set_profile", &FusedDecoder::set_profile);
+      .def("set_profile", &FusedDecoder::set_profile)
+      .def("set_blas_rows", &FusedDecoder::set_blas_rows);
 }
