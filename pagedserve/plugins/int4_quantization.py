@@ -14,12 +14,23 @@ becomes an `Int4Linear`. Its layout (`Int4Weights`), for a float weight w [out, 
   into groups of `group_size` consecutive inputs of one output row;
 - each group has a float32 scale s and a zero point z (0..15; 8 when symmetric, not stored)
   and each weight a 4-bit code q (0..15) with w ≈ (q - z)·s;
-- symmetric: s = m / -8 where m is the group's value of largest magnitude (so m maps to code
+- round-to-nearest (`quantize(..., search=False)`, the rules the first int4 methods used):
+  symmetric: s = m / -8 where m is the group's value of largest magnitude (so m maps to code
   0, as Q4_0 does), q = clamp(round(w / s) + 8, 0, 15); the error is at most s/2, except
-  for values within s/2 of -m (clamped to code 15: at most s);
-- asymmetric: lo = min(w, 0), hi = max(w, 0), s = (hi - lo) / 15, z = round(-lo / s),
-  q = clamp(round(w / s) + z, 0, 15); the error is at most s/2 for every unclamped value,
-  at most s for a clamped one (within s/2 of lo or hi);
+  for values within s/2 of -m (clamped to code 15: at most s); asymmetric: lo = min(w, 0),
+  hi = max(w, 0), s = (hi - lo) / 15, z = round(-lo / s), q = clamp(round(w / s) + z, 0, 15);
+  the error is at most s/2 for every unclamped value, at most s for a clamped one;
+- the scale search (`search=True`, what the methods run), per group, for a few candidate
+  roundings: symmetric, the levels L = clamp(round(-c·w / m), -8, 7) for c in
+  `SYMMETRIC_CANDIDATES` (8.5 down to 5 in steps of 0.25; c = 8 is the round-to-nearest
+  above, a smaller c a coarser step that leaves levels unused); asymmetric, the round-to-nearest levels of the range
+  [lo, hi] shrunk by each of `ASYMMETRIC_RATIOS` (1 down to 0.7: clipping the extremes).
+  For each candidate's integer levels L (q - z) the scale is the least-squares one,
+  s = Σ w·L / Σ L², and the candidate with the smallest squared error Σ (w - L·s)² wins. The
+  round-to-nearest levels are among the candidates, so a group's squared error is never
+  larger than round-to-nearest's (llama.cpp's quantizers search scales the same way, without
+  an importance matrix). No bound of s/2 holds per value any more: the search trades a few
+  clipped values for a finer step on the rest;
 - the codes are packed two per byte, 16 bytes per 32 inputs: byte i of a block of 32 holds
   input i in its low nibble and input i + 16 in its high nibble (Q4_0's order, which the
   SIMD kernels unpack with one mask and one shift into the 32 codes in order).
@@ -92,29 +103,91 @@ def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([blocks & 15, blocks >> 4], dim=2).reshape(out, 2 * half)
 
 
-def quantize(weight: torch.Tensor, group_size: int = 32, symmetric: bool = True) -> Int4Weights:
-    """The int4 layout of a float weight [out, in] (module docstring: the rules and bounds)."""
+#: the symmetric search's candidates: the group's value of largest magnitude m is first rounded
+#: as if it were -c steps (c = 8: Q4_0's m / -8; smaller c clip nothing, larger c clamp m to -8)
+SYMMETRIC_CANDIDATES = tuple(8.5 - 0.25 * i for i in range(15))  # 8.5, 8.25, ..., 5.0
+#: the asymmetric search's candidates: the group's range [lo, hi] shrunk by these ratios (clipping)
+ASYMMETRIC_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)
+#: rows quantized at a time (the search's temporaries stay a few MB)
+_ROWS_AT_A_TIME = 256
+
+
+def quantize(weight: torch.Tensor, group_size: int = 32, symmetric: bool = True, search: bool = True) -> Int4Weights:
+    """The int4 layout of a float weight [out, in] (module docstring: the rules and bounds).
+    `search` False: plain round-to-nearest of the group's range (the module docstring's
+    `round-to-nearest` rules), True (the methods'): the scale search."""
     if group_size <= 0 or group_size % BLOCK:
         raise ValueError(f"int4 group size must be a positive multiple of {BLOCK}, got {group_size}")
     w = weight.detach().float()
     out, k = w.shape
     padded = -(-k // group_size) * group_size
     groups = F.pad(w, (0, padded - k)).reshape(out, padded // group_size, group_size)
-    if symmetric:
-        index = groups.abs().argmax(dim=2, keepdim=True)
-        extreme = groups.gather(2, index).squeeze(2)
-        scale = torch.where(extreme != 0, extreme / -8.0, torch.ones_like(extreme))
-        zero = torch.full_like(scale, SYMMETRIC_ZERO)
-    else:
-        lo = groups.amin(dim=2).clamp(max=0.0)
-        hi = groups.amax(dim=2).clamp(min=0.0)
-        scale = torch.where(hi > lo, (hi - lo) / 15.0, torch.ones_like(hi))
-        zero = torch.round(-lo / scale).clamp(0, 15)
-    q = torch.round(groups / scale[:, :, None]) + zero[:, :, None]
-    codes = q.clamp_(0, 15).to(torch.uint8).reshape(out, padded)
-    return Int4Weights(qweight=pack_codes(codes), scales=scale.contiguous(),
-                       zeros=None if symmetric else zero.to(torch.uint8).contiguous(),
+    fit = _fit_symmetric if symmetric else _fit_asymmetric
+    parts = [fit(groups[r : r + _ROWS_AT_A_TIME], search) for r in range(0, out, _ROWS_AT_A_TIME)]
+    codes = torch.cat([p[0] for p in parts]).reshape(out, padded)
+    scale = torch.cat([p[1] for p in parts]).contiguous()
+    zero = torch.cat([p[2] for p in parts])
+    return Int4Weights(qweight=pack_codes(codes), scales=scale,
+                       zeros=None if symmetric else zero.contiguous(),
                        group_size=group_size, in_features=k)
+
+
+def _least_squares_scale(groups: torch.Tensor, levels: torch.Tensor, fallback: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """For integer levels L (q - z) of each group: the scale s minimising Σ (x - L·s)², and that
+    sum's reduction Σ x·L · s (larger is better: the error is Σ x² minus it); `fallback` where
+    every level is 0."""
+    sumlx = (groups * levels).sum(dim=2)
+    suml2 = (levels * levels).sum(dim=2)
+    scale = torch.where(suml2 > 0, sumlx / suml2.clamp(min=1e-30), fallback)
+    return scale, sumlx * scale
+
+
+def _fit_symmetric(groups: torch.Tensor, search: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes uint8, scales, zero points uint8) of groups [rows, n, g], zero point 8."""
+    index = groups.abs().argmax(dim=2, keepdim=True)
+    extreme = groups.gather(2, index).squeeze(2)
+    nonzero = extreme != 0
+    extreme = torch.where(nonzero, extreme, torch.ones_like(extreme))
+    best_scale = extreme / -8.0
+    best_levels = torch.round(groups / best_scale[:, :, None]).clamp_(-8, 7)
+    if search:
+        best_gain = torch.full_like(extreme, -1.0)
+        for c in SYMMETRIC_CANDIDATES:
+            levels = torch.round(groups * (-c / extreme)[:, :, None]).clamp_(-8, 7)
+            scale, gain = _least_squares_scale(groups, levels, extreme / -8.0)
+            better = gain > best_gain
+            best_gain = torch.where(better, gain, best_gain)
+            best_scale = torch.where(better, scale, best_scale)
+            best_levels = torch.where(better[:, :, None], levels, best_levels)
+    best_scale = torch.where(nonzero, best_scale, torch.ones_like(best_scale))
+    codes = (best_levels + SYMMETRIC_ZERO).to(torch.uint8)
+    return codes, best_scale, torch.full_like(codes[:, :, 0], SYMMETRIC_ZERO)
+
+
+def _fit_asymmetric(groups: torch.Tensor, search: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes uint8, scales, zero points uint8) of groups [rows, n, g]."""
+    lo0 = groups.amin(dim=2).clamp(max=0.0)
+    hi0 = groups.amax(dim=2).clamp(min=0.0)
+    best_error = None
+    for ratio in ASYMMETRIC_RATIOS if search else (1.0,):
+        lo, hi = lo0 * ratio, hi0 * ratio
+        scale = torch.where(hi > lo, (hi - lo) / 15.0, torch.ones_like(hi))
+        zero = torch.round(-lo / scale).clamp_(0, 15)
+        levels = (torch.round(groups / scale[:, :, None]) + zero[:, :, None]).clamp_(0, 15) - zero[:, :, None]
+        if search:
+            scale, _ = _least_squares_scale(groups, levels, scale)
+        error = ((levels * scale[:, :, None] - groups) ** 2).sum(dim=2)
+        if best_error is None:
+            best_error, best_scale, best_zero, best_levels = error, scale, zero, levels
+            continue
+        better = error < best_error
+        best_error = torch.where(better, error, best_error)
+        best_scale = torch.where(better, scale, best_scale)
+        best_zero = torch.where(better, zero, best_zero)
+        best_levels = torch.where(better[:, :, None], levels, best_levels)
+    codes = (best_levels + best_zero[:, :, None]).to(torch.uint8)
+    return codes, best_scale, best_zero.to(torch.uint8)
 
 
 def dequantize(weights: Int4Weights, dtype: torch.dtype = torch.float32) -> torch.Tensor:

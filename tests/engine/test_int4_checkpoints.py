@@ -89,9 +89,49 @@ def make_pair(source: Path, out: Path, method: str) -> tuple[Path, Path]:
     return dirs[0], dirs[1]
 
 
+#: what the tiny model is trained on: a few hundred tokens of plain English
+TRAINING_TEXT = (
+    "The capital of France is Paris. Paris is a city on the river Seine, and the capital of France "
+    "is also its largest city. Hello world, hello tokens: a model reads tokens and writes tokens. "
+    "The world is wide and the river is long. In the morning the city wakes, the shops open, and "
+    "the people of Paris walk along the river to their work. In the evening they walk back again. "
+    "France is Paris, and Paris is France, say the people of the capital. Hello again, world. "
+)
+
+
+def trained_checkpoint(out_dir: Path, steps: int = 400) -> Path:
+    """The tiny llama checkpoint of `tiny_models.build_checkpoint` (its config and tokenizer),
+    its weights from transformers' default initialisation trained for `steps` AdamW steps on
+    `TRAINING_TEXT`. The random checkpoint itself is no judge of int4 against float: its
+    weights of std 0.25 drive activations up to 40, its top-2 logit margin has a median of 0.6
+    (11% of the positions under 0.1), and the int8 activations of the kernels (Q8_0's per 32
+    values) flip 7% of its greedy ids; int8 weights, per channel, flip 11%. Trained, the model
+    predicts as a language model does, by margins its int8 activations do not cross."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    build_checkpoint("llama", out_dir)
+    tok = AutoTokenizer.from_pretrained(str(out_dir))
+    torch.manual_seed(5)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(out_dir)), dtype=torch.float32)
+    ids = torch.tensor(tok(TRAINING_TEXT * 4)["input_ids"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    generator = torch.Generator().manual_seed(6)
+    model.train()
+    for _ in range(steps):
+        starts = torch.randint(0, len(ids) - 65, (8,), generator=generator)
+        batch = torch.stack([ids[s : s + 65] for s in starts.tolist()])
+        loss = model(input_ids=batch, labels=batch).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+    model.save_pretrained(str(out_dir))
+    return out_dir
+
+
 @pytest.fixture(scope="module")
 def float_source(tmp_path_factory) -> Path:
-    return build_checkpoint("llama", tmp_path_factory.mktemp("int4-source"))
+    return trained_checkpoint(tmp_path_factory.mktemp("int4-source"))
 
 
 @pytest.mark.parametrize("method", ["gptq", "awq"])
@@ -118,14 +158,14 @@ def test_repack_gives_back_the_codes_zeros_and_scales(method):
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_checkpoint_loads_as_int4_and_agrees_with_its_weights_dequantized(float_source, tmp_path, method):
     """Greedy ids of the float checkpoint (the same weights dequantized), teacher-forced on the
-    int4 one, two ways:
+    int4 one, two ways, each >= 99%:
     - one prefill of each whole sequence (more rows than `int4_kernel_max_rows`: each layer
-      dequantizes its int4 weight for F.linear): >= 99% (asserted), the loader's repacking;
-    - prefill chunks of 4 rows (the C++ int4 × int8 kernel, activations quantized to int8 per
-      32 values as Q4_0 × Q8_0): >= 90% asserted, the figure printed. On this random tiny model
-      (activations up to 40, median top-2 logit margin 0.6) the int8 activations move each
-      layer's output by about 1% and flip 4-6% of the greedy ids; the kernel itself matches its
-      reference to 1e-6 (tests/kernels/test_int4.py)."""
+      dequantizes its int4 weight for F.linear): the loader's repacking;
+    - prefill chunks of 4 rows: the C++ int4 × int8 kernel, activations quantized to int8 per
+      32 values as Q4_0 × Q8_0.
+    The model is trained (`trained_checkpoint`): on the random one the int8 activations alone
+    flipped 7% of the greedy ids (the kernel 92.5%, the same int8 activations emulated in torch
+    with the dequantized weights 92.9%: not the kernel, nor the repacking)."""
     from pagedserve.plugins.int4_quantization import int4_kernel_max_rows
 
     quantized_dir, float_dir = make_pair(float_source, tmp_path, method)
@@ -157,7 +197,7 @@ def test_checkpoint_loads_as_int4_and_agrees_with_its_weights_dequantized(float_
     print(f"{method}: teacher-forced greedy agreement with the float weights: "
           + ", ".join(f"{k} {v:.1%}" for k, v in agreement.items()))
     assert agreement["dequantized"] >= 0.99
-    assert agreement["kernel"] >= 0.90
+    assert agreement["kernel"] >= 0.99
 
 
 class _Config:

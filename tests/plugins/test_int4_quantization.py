@@ -1,5 +1,6 @@
 """The int4 methods' layout: quantize → dequantize within its bound on odd shapes, group size
-and zero points honoured, codes packed two per byte in Q4_0's order."""
+and zero points honoured, codes packed two per byte in Q4_0's order; the scale search picks
+the candidate a plain per-group reference picks, and never does worse than round-to-nearest."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import torch
 from torch import nn
 
 from pagedserve.plugins.int4_quantization import (
+    ASYMMETRIC_RATIOS,
+    SYMMETRIC_CANDIDATES,
     Int4AsymQuantization,
     Int4G128Quantization,
     Int4Linear,
@@ -41,10 +44,10 @@ def test_codes_are_packed_two_a_byte_in_q4_0_order():
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("group_size", [32, 128])
-def test_symmetric_round_trip_within_half_a_step(shape, group_size):
+def test_symmetric_round_to_nearest_within_half_a_step(shape, group_size):
     torch.manual_seed(sum(shape) + group_size)
     w = torch.randn(shape) * torch.rand(shape[0], 1) * 3
-    q = quantize(w, group_size, symmetric=True)
+    q = quantize(w, group_size, symmetric=True, search=False)
     padded = -(-shape[1] // group_size) * group_size
     assert q.qweight.shape == (shape[0], padded // 2) and q.qweight.dtype == torch.uint8
     assert q.scales.shape == (shape[0], padded // group_size) and q.zeros is None
@@ -64,11 +67,11 @@ def test_symmetric_round_trip_within_half_a_step(shape, group_size):
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("group_size", [32, 128])
-def test_asymmetric_round_trip_uses_zero_points(shape, group_size):
+def test_asymmetric_round_to_nearest_uses_zero_points(shape, group_size):
     torch.manual_seed(sum(shape) * 3 + group_size)
     w = torch.rand(shape) * 2 + 0.5  # all positive: the zero point is 0, the step (hi - 0) / 15
     w[:, ::5] -= 1.2  # some negative: zero points above 0 in those groups
-    q = quantize(w, group_size, symmetric=False)
+    q = quantize(w, group_size, symmetric=False, search=False)
     assert q.zeros is not None and q.zeros.dtype == torch.uint8
     assert q.zeros.shape == q.scales.shape == (shape[0], -(-shape[1] // group_size))
     assert int(q.zeros.max()) <= 15
@@ -89,9 +92,77 @@ def test_asymmetric_is_closer_than_symmetric_on_one_signed_weights():
     torch.manual_seed(1)
     w = torch.rand(8, 96) + 0.1
     for group_size in (32, 128):
-        sym = (dequantize(quantize(w, group_size, True)) - w).abs().mean()
-        asym = (dequantize(quantize(w, group_size, False)) - w).abs().mean()
-        assert asym < sym
+        for search in (False, True):
+            sym = (dequantize(quantize(w, group_size, True, search)) - w).abs().mean()
+            asym = (dequantize(quantize(w, group_size, False, search)) - w).abs().mean()
+            assert asym < sym
+
+
+def _searched_group(x: list[float], symmetric: bool) -> tuple[list[int], float, int]:
+    """The scale search of one group, written out plainly in float64 (codes, scale, zero point):
+    each candidate's levels, their least-squares scale, the smallest squared error wins (the
+    first of equals)."""
+    best = None
+    if symmetric:
+        m = max(x, key=abs)
+        for c in SYMMETRIC_CANDIDATES:
+            levels = [min(7, max(-8, round(-c * v / m))) for v in x]
+            l2 = sum(v * v for v in levels)
+            s = sum(v * lv for v, lv in zip(x, levels)) / l2
+            error = sum((v - lv * s) ** 2 for v, lv in zip(x, levels))
+            if best is None or error < best[0] - 1e-9:
+                best = (error, [lv + 8 for lv in levels], s, 8)
+    else:
+        lo0, hi0 = min(min(x), 0.0), max(max(x), 0.0)
+        for r in ASYMMETRIC_RATIOS:
+            step = (hi0 - lo0) * r / 15
+            z = min(15, max(0, round(-lo0 * r / step)))
+            levels = [min(15, max(0, round(v / step) + z)) - z for v in x]
+            s = sum(v * lv for v, lv in zip(x, levels)) / sum(v * v for v in levels)
+            error = sum((v - lv * s) ** 2 for v, lv in zip(x, levels))
+            if best is None or error < best[0] - 1e-9:
+                best = (error, [lv + z for lv in levels], s, z)
+    assert best is not None
+    return best[1], best[2], best[3]
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_the_search_picks_what_a_plain_reference_picks(symmetric):
+    torch.manual_seed(11 + symmetric)
+    # heavy-tailed groups (a few large values), where clipping pays, and plain Gaussian ones
+    w = torch.randn(6, 96) * torch.where(torch.rand(6, 96) < 0.05, 6.0, 1.0)
+    q = quantize(w, 32, symmetric)
+    codes = unpack_codes(q.qweight)
+    for r in range(6):
+        for g in range(3):
+            want_codes, want_scale, want_zero = _searched_group(w[r, 32 * g : 32 * g + 32].double().tolist(), symmetric)
+            assert codes[r, 32 * g : 32 * g + 32].tolist() == want_codes, (r, g)
+            assert q.scales[r, g].item() == pytest.approx(want_scale, rel=1e-5), (r, g)
+            assert (q.zeros[r, g].item() if q.zeros is not None else 8) == want_zero, (r, g)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("group_size", [32, 128])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_the_search_never_does_worse_than_round_to_nearest(shape, group_size, symmetric):
+    torch.manual_seed(sum(shape) * 5 + group_size + symmetric)
+    w = torch.randn(shape) * torch.where(torch.rand(shape) < 0.05, 5.0, 1.0)
+    searched = quantize(w, group_size, symmetric)
+    plain = quantize(w, group_size, symmetric, search=False)
+    error = ((_groups(dequantize(searched) - w, group_size)) ** 2).sum(dim=2)
+    rtn = ((_groups(dequantize(plain) - w, group_size)) ** 2).sum(dim=2)
+    assert bool((error <= rtn * (1 + 1e-5) + 1e-12).all())
+    # each group's scale is the least-squares one for its integer levels
+    codes = _groups(unpack_codes(searched.qweight).float()[:, : shape[1]], group_size)
+    zero = searched.zeros.float() if searched.zeros is not None else torch.full_like(searched.scales, 8)
+    levels = codes - zero[:, :, None]
+    levels = torch.where(_groups(torch.ones(shape), group_size) > 0, levels, torch.zeros_like(levels))  # padding
+    l2 = (levels * levels).sum(dim=2)
+    least_squares = (_groups(w, group_size) * levels).sum(dim=2) / l2.clamp(min=1e-30)
+    has_levels = l2 > 0
+    assert torch.allclose(searched.scales[has_levels], least_squares[has_levels], rtol=1e-5)
+    if shape[1] >= 32 and shape[0] >= 5:  # on these groups the search finds something better
+        assert float(error.sum()) < float(rtn.sum())
 
 
 def test_a_group_of_zeros_gets_scale_one():
@@ -126,6 +197,7 @@ def test_every_linear_is_replaced_and_the_lm_head_only_when_asked(method, group,
     # more rows than the C++ kernel takes (when a test before loaded it): the float path
     x = torch.randn(int4_kernel_max_rows() + 1, 40)
     want = model.proj(x)
+    model_weight = model.proj.weight.detach().clone()
     report = method().quantize(model, quantize_lm_head=lm_head)
     assert isinstance(model.proj, Int4Linear) and isinstance(model.down, Int4Linear)
     assert model.proj.group_size == group and (model.proj.zeros is not None) == zeros
@@ -140,9 +212,10 @@ def test_every_linear_is_replaced_and_the_lm_head_only_when_asked(method, group,
     got = model.proj(x)
     expected = torch.nn.functional.linear(x, dequantize(model.proj.weights), model.proj.bias)
     assert torch.allclose(got, expected, atol=1e-4)
-    # each weight is off by at most one step of its group: so is the product, summed
-    steps = model.proj.scales.abs().repeat_interleave(group, dim=1)[:, :40]
-    assert bool(((got - want).abs() <= x.abs() @ steps.T + 1e-5).all())
+    # the product is off by at most the sum of each weight's error times its input
+    error = (dequantize(quantize(model_weight, group, not zeros)) - model_weight).abs()
+    assert bool(((got - want).abs() <= x.abs() @ error.T + 1e-4).all())
+    assert torch.equal(model.proj.qweight, quantize(model_weight, group, not zeros).qweight)  # the search ran
 
 
 def test_tied_lm_head_gets_its_own_int4_copy():
