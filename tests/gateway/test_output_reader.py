@@ -54,3 +54,39 @@ def test_requests_waiting_at_once_are_read_by_one_xread_each_their_own_tokens():
         stats = admin.info("commandstats")
         assert stats["cmdstat_xread"]["calls"] == 1  # all N streams, one command
         admin.close()
+
+
+def test_an_idle_reader_waits_in_redis_and_hands_a_first_entry_over_at_once():
+    """After a read that found nothing, the next one waits in Redis (XREAD BLOCK) for the
+    first entry: it is handed over by that read, not at the next tick (5 s here)."""
+    with EmbeddedRedis() as server:
+        admin = redis.Redis.from_url(server.url)
+
+        async def scenario() -> list[int]:
+            client = QueueClient(server.url, ServeConfig(output_poll_interval=5.0))
+
+            async def one() -> list[int]:
+                log = None
+                async for _deltas, out in client.outputs("idle", 1, time.time() + 30):
+                    log = out
+                assert log is not None and log.done
+                return log.completions[0].token_ids
+
+            try:
+                reading = asyncio.create_task(one())
+                for _ in range(1000):  # until the reader's second read waits in Redis
+                    if admin.info("clients")["blocked_clients"] == 1:
+                        break
+                    await asyncio.sleep(0.01)
+                assert admin.info("commandstats")["cmdstat_xread"]["calls"] == 2
+                final = Chunk(attempt=1, done=True, deltas=[CompletionDelta(index=0, start=0, token_ids=[7, 8, 9],
+                                                                             text="t", finish_reason="length")])
+                admin.xadd(q.output_key("idle"), {q.CHUNK_FIELD: encode(final)})  # one entry: one wake-up
+                return await asyncio.wait_for(reading, 30)  # a guard: the tick would come after 5 s
+            finally:
+                await client.close()
+
+        assert asyncio.run(scenario()) == [7, 8, 9]
+        # the waiting read returned with the entry; the request then had all it waited for
+        assert admin.info("commandstats")["cmdstat_xread"]["calls"] == 2
+        admin.close()
