@@ -4,7 +4,10 @@ were made. The hot path is one command per request per step and nothing more:
 - one XADD per output stream: the chunks a request gets before a flush are merged into one
   entry (their deltas in order), and a step's several tokens are one delta already;
 - no EXPIRE per chunk: an output stream's TTL is set at its first chunk from this worker and
-  renewed only when half of it has run out; the final chunk sets it once more;
+  renewed only when half of it has run out; the final chunk sets it once more. A later
+  chunk never creates the stream (XADD NOMKSTREAM): once the gateway deleted it (its client
+  left) or Redis lost it, the chunk is written again as a first one, with its TTL, so no
+  output stream ever lives without one;
 - a final chunk and its ack are one FINISH script: atomic, and refused whole while Redis is
   full, so an entry is never acknowledged before its final chunk is written;
 - scripts run by EVALSHA in the pipeline (no SCRIPT EXISTS round trip before it); after a
@@ -170,6 +173,7 @@ class Outbox:
         pipe = self.redis.pipeline(transaction=False)
         slots = []  # per write, its reply's index in the pipeline
         renewed = []
+        later = []  # (write, its reply's index): chunks that must not create their stream
         for w in writes:
             slots.append(len(pipe.command_stack))
             key = q.output_key(w.request_id)
@@ -186,7 +190,10 @@ class Outbox:
                              self.worker_id, w.entry_id, "" if tenant == w.stream else tenant)
                 self._ttl_due.pop(key, None)
             else:
-                pipe.xadd(key, {q.CHUNK_FIELD: encode(w.chunk)})
+                first = key not in self._ttl_due
+                if not first:
+                    later.append((w, len(pipe.command_stack)))
+                pipe.xadd(key, {q.CHUNK_FIELD: encode(w.chunk)}, nomkstream=not first)
                 if self._ttl_due.get(key, 0.0) <= now:
                     pipe.expire(key, q.OUTPUT_TTL)
                     renewed.append((key, len(pipe.command_stack) - 1))
@@ -194,7 +201,28 @@ class Outbox:
         for key, i in renewed:
             if results[i] == 1:  # the stream existed (its XADD went through) and has its TTL now
                 self._ttl_due[key] = now + q.OUTPUT_TTL / 2
+        missing = [w for w, i in later if results[i] is None]  # NOMKSTREAM: no stream, nothing written
+        if missing:
+            self._create(missing, now)
         return [results[i] for i in slots]
+
+    def _create(self, writes: list[_Write], now: float) -> None:
+        """Chunks whose stream was gone (deleted by the gateway when its client left, or lost
+        by Redis): written again as first chunks, each stream created with its TTL."""
+        pipe = self.redis.pipeline(transaction=False)
+        for w in writes:
+            assert w.chunk is not None
+            key = q.output_key(w.request_id)
+            pipe.xadd(key, {q.CHUNK_FIELD: encode(w.chunk)})
+            pipe.expire(key, q.OUTPUT_TTL)
+        results = pipe.execute(raise_on_error=False)
+        for w, result in zip(writes, results[::2], strict=True):
+            key = q.output_key(w.request_id)
+            if isinstance(result, Exception):
+                logger.error("redis write failed: %s", result)
+                self._ttl_due.pop(key, None)
+            else:
+                self._ttl_due[key] = now + q.OUTPUT_TTL / 2
 
 
 def _plain(w: _Write) -> bool:

@@ -209,3 +209,32 @@ def test_a_chunk_held_back_is_dropped_when_its_client_goes_away(server):
     outbox.delete_output("c")
     outbox.flush()
     assert not service.queue.redis.exists(q.output_key("c")) and outbox._writes == []
+
+
+def test_a_chunk_after_its_stream_was_deleted_creates_it_again_only_with_a_ttl(server, monkeypatch):
+    """The gateway deletes a request's output stream when its client leaves, and the worker
+    may write a chunk before it hears of that: the stream must not come back without a TTL
+    (it would outlive every request). A later chunk is XADD NOMKSTREAM; finding no stream,
+    it is written again as a first chunk, XADD and EXPIRE."""
+    service, _engine = _worker(server.url, 1)
+    outbox, client = service.queue.outbox, service.queue.redis
+    key = q.output_key("gone")
+
+    def chunk(start: int) -> Chunk:
+        return Chunk(attempt=1, deltas=[CompletionDelta(index=0, start=start, token_ids=[start], text="a")])
+
+    outbox.send("gone", chunk(0))
+    outbox.flush()
+    assert client.xlen(key) == 1 and 0 < client.ttl(key) <= q.OUTPUT_TTL
+    outbox.send("gone", chunk(1))
+    outbox.flush()  # a later chunk, while the stream is there: one XADD, nothing more
+    assert client.xlen(key) == 2
+    client.unlink(key)  # as QueueClient.cancel does
+    counted = _Counted(monkeypatch)
+    outbox.send("gone", chunk(2))
+    outbox.flush()
+    assert counted.pipelines == [["XADD"], ["XADD", "EXPIRE"]]
+    assert client.xlen(key) == 1 and 0 < client.ttl(key) <= q.OUTPUT_TTL
+    outbox.delete_output("gone")  # the cancellation reaches the worker
+    outbox.flush()
+    assert not client.exists(key)
