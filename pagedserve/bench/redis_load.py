@@ -66,6 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-interval-ms", type=float, default=None,
                         help="a worker writes a running request's tokens at most this often (default: ServeConfig's, "
                              "0: every step)")
+    parser.add_argument("--stream-node-max-entries", type=int, default=None,
+                        help="the Redis stream-node-max-entries to run with (CONFIG SET; default: the server's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="also print the figures as JSON")
 
@@ -151,6 +153,10 @@ def run(args: argparse.Namespace) -> int:
     if args.output_interval_ms is not None:
         config = msgspec.structs.replace(config, output_interval=args.output_interval_ms / 1000)
     with EmbeddedRedis(maxmemory=4 << 30) as server:
+        admin = redis.Redis.from_url(server.url)
+        if args.stream_node_max_entries is not None:
+            admin.config_set("stream-node-max-entries", args.stream_node_max_entries)
+        node_entries = int(cast(dict, admin.config_get("stream-node-max-entries"))["stream-node-max-entries"])
         engines = [ClockEngine(max_num_seqs=args.streams, step_ms=args.step_ms, tokens_per_step=args.tokens_per_step)
                    for _ in range(args.workers)]
         services = [WorkerService(cast(Engine, engine), config, server.url, worker_id=f"load{i}")
@@ -158,9 +164,9 @@ def run(args: argparse.Namespace) -> int:
         threads = [threading.Thread(target=s.run, name=f"worker-{i}", daemon=True) for i, s in enumerate(services)]
         for t in threads:
             t.start()
-        admin = redis.Redis.from_url(server.url)
         try:
             result = asyncio.run(_measure(args, server.url, config, engines, admin))
+            result["stream_node_max_entries"] = node_entries
         finally:
             for s in services:
                 s.drain.deadline = 0.0  # stop now: nothing is waiting for the rest
@@ -237,7 +243,7 @@ def _print(args: argparse.Namespace, r: dict[str, Any]) -> None:
           f"({r['steps_per_s_per_worker']} steps/s made per worker), {r['tokens_per_step']} token(s) per stream "
           f"and step, {r['output_tokens']} tokens per request on average, the gateway reading every "
           f"{r['output_poll_ms']:g} ms, a worker writing a stream every {r['output_interval_ms']:g} ms at most "
-          f"(0: every step); {r['seconds']} s measured")
+          f"(0: every step), stream-node-max-entries {r['stream_node_max_entries']}; {r['seconds']} s measured")
     print(f"  made {r['tokens']} tokens, finished {r['requests']} requests; Redis main thread busy "
           f"{r['redis_cpu_s']} s ({100 * r['redis_cpu_share']:.1f}% of one core)")
     tokens, requests = r["tokens"] or 1, r["requests"] or 1
