@@ -66,6 +66,10 @@ PROMPTS = (
 
 #: the outcomes of a request: every request sent ends in exactly one of them
 COMPLETED, ERROR, LOST = "completed", "error", "lost"
+#: an attempt whose connection broke before any answer came back: the gateway never read the
+#: request (the figures check it against the gateway's own count of answers), so the client
+#: sends it again, as HTTP clients do with a request cut on a reused connection
+RESET_BEFORE_ANSWER = "reset_before_answer"
 #: what an attempt answered with 429 or 503 asks for instead: wait and send again
 RETRY = "retry"
 
@@ -186,6 +190,8 @@ class Tally:
     lost: Counter = field(default_factory=Counter)  # reason → requests
     retried: Counter = field(default_factory=Counter)  # "429" / "503" → answers waited out
     retry_wait_s: float = 0.0  # Retry-After seconds slept, over all clients
+    answered: int = 0  # attempts that got a status line back (the reference requests too)
+    cancelled_unanswered: int = 0  # attempts still without an answer when the grace period ended
     e2e_s: list[float] = field(default_factory=list)  # send to [DONE] of completed requests, retries included
     mismatches: list[dict] = field(default_factory=list)  # the first few streams unlike their reference
     losses: list[dict] = field(default_factory=list)  # the first few lost requests, to set beside the chaos events
@@ -229,6 +235,9 @@ class Tally:
             "bad_streams": completed - self.completed.get(EXACT, 0),
             "errors_by_kind": dict(self.errors),
             "lost_by_reason": dict(self.lost),
+            "answered": self.answered,
+            "cancelled_unanswered": self.cancelled_unanswered,
+            "resets_before_answer": self.retried.get(RESET_BEFORE_ANSWER, 0),
             "answers_429": self.retried.get("429", 0),
             "answers_503": self.retried.get("503", 0),
             "retry_wait_s": round(self.retry_wait_s, 1),
@@ -326,6 +335,7 @@ class ChaosRun:
         self.references: list[Reference] = []
         self.rng = random.Random(args.seed)
         self.redis: Any = None  # the EmbeddedRedis
+        self.gateway_answers: int | None = None  # answers the gateway counted, read after the load
         self.serve: subprocess.Popen | None = None
         self.base_url = ""
         self.model_name = ""
@@ -338,7 +348,7 @@ class ChaosRun:
     def start_server(self) -> None:
         from pagedserve.common.redis_server import EmbeddedRedis
 
-        self.redis = EmbeddedRedis(port=self.args.redis_port or None).start()
+        self.redis = EmbeddedRedis(port=self.args.redis_port or None, appendonly=self.args.redis_aof).start()
         port = _free_port()
         self.base_url = f"http://127.0.0.1:{port}"
         env = dict(os.environ, PAGEDSERVE_REDIS_URL=self.redis.url, PAGEDSERVE_API_KEYS=f"{self.api_key}:chaos")
@@ -408,6 +418,7 @@ class ChaosRun:
         async def answer(client: httpx.AsyncClient, i: int) -> Reference:
             response = await client.post(self.base_url + "/v1/completions", json=self.body(i, stream=False),
                                          headers=self.headers)
+            self.tally.answered += 1
             response.raise_for_status()
             choice = response.json()["choices"][0]
             return Reference(text=choice["text"], tokens=tuple(choice["logprobs"]["tokens"]))
@@ -432,9 +443,12 @@ class ChaosRun:
         import httpx
 
         reading = StreamReading()
+        answered = False
         try:
             async with http.stream("POST", self.base_url + "/v1/completions", json=self.body(prompt_index, stream=True),
                                    headers=self.headers) as response:
+                answered = True
+                self.tally.answered += 1
                 if response.status_code in (429, 503):
                     await response.aread()
                     return Outcome(RETRY, str(response.status_code), retry_after=retry_after_seconds(response.headers.get("retry-after")))
@@ -450,9 +464,14 @@ class ChaosRun:
         except httpx.ReadTimeout:
             return self.ended(reading, f"silent_{self.args.stall_timeout:g}s")
         except httpx.HTTPError as exc:  # the connection broke: RemoteProtocolError, ReadError, ...
+            if not answered:
+                return Outcome(RETRY, RESET_BEFORE_ANSWER, retry_after=0.0)
             return self.ended(reading, "cut_" + type(exc).__name__)
         except ValueError:  # an event that was not JSON
             return self.ended(reading, "malformed_event")
+        except asyncio.CancelledError:
+            self.tally.cancelled_unanswered += not answered  # the gateway may still answer it (a 499)
+            raise
         return self.ended(reading, "cut_before_done")
 
     @staticmethod
@@ -557,11 +576,12 @@ class ChaosRun:
             k += 1
 
     async def restart_redis(self) -> None:
-        """Stop Redis (all it held is gone: nothing persists) and start it on the same port."""
+        """Stop Redis and start it on the same port: all it held is gone, or with --redis-aof
+        it comes back with what its append-only file holds."""
         if not await self.pause_until(self.start + self.args.redis_restart_at):
             return
         self.mark("redis_stop")
-        await asyncio.to_thread(self.redis.stop)
+        await asyncio.to_thread(self.redis.stop, keep_data=self.args.redis_aof)
         await asyncio.sleep(self.args.redis_downtime)
         await asyncio.to_thread(self.redis.start)
         self.mark("redis_started")
@@ -613,6 +633,24 @@ class ChaosRun:
             await asyncio.gather(*clients, return_exceptions=True)
         return ran
 
+    def count_gateway_answers(self) -> None:
+        """The answers the gateway counted (its /metrics: /v1/completions, and "other", where the
+        HTTP layer's own answers go, as a 503 beyond --max-connections): set
+        beside the clients' count, it says whether a request whose connection broke before
+        any answer had reached the gateway (it would have answered it, if only with a 499)."""
+        import httpx
+
+        try:
+            text = httpx.get(self.base_url + "/metrics", timeout=10).text
+        except httpx.HTTPError:
+            return
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith("pagedserve:http_requests_total{") and any(
+                    f'route="{route}"' in line for route in ("/v1/completions", "other")):
+                total += float(line.rsplit(" ", 1)[1])
+        self.gateway_answers = int(total)
+
     # -- the report ----------------------------------------------------------------------------------
     def figures(self, ran_s: float) -> dict[str, Any]:
         a = self.args
@@ -622,16 +660,30 @@ class ChaosRun:
                        "redis_restart_at_s": a.redis_restart_at, "redis_downtime_s": a.redis_downtime,
                        "workers": a.workers, "device": a.device, "max_tokens": a.max_tokens, "model": self.model_dir,
                        "serve_flags": a.serve_flags, "stall_timeout_s": a.stall_timeout, "grace_s": a.grace,
-                       "prompts": len(PROMPTS)},
+                       "prompts": len(PROMPTS), "redis_aof": a.redis_aof},
             "ran_s": round(ran_s, 1),
             **self.tally.figures(),
             "completed_per_s": round(sum(self.tally.completed.values()) / ran_s, 2) if ran_s else None,
+            "gateway_answers": self.gateway_answers,
             "events": self.events,
             "gateway_rss": rss_growth(self.samples, window),
             "samples": self.samples,
         }
         figures["targets_met"] = figures["balanced"] and figures["lost"] == 0 and figures["bad_streams"] == 0
         return figures
+
+
+def resets_verdict(f: dict[str, Any]) -> str:
+    """Whether the requests cut before any answer reached the gateway: it answers every request
+    it reads (a 499 if its client left), so its count of answers is the clients' count, plus at
+    most the attempts the grace period cut off unanswered."""
+    gateway, clients, open_ = f["gateway_answers"], f["answered"], f["cancelled_unanswered"]
+    if gateway is None:
+        return "the gateway's count could not be read"
+    if clients <= gateway <= clients + open_:
+        return "so the gateway read none of the requests cut before an answer"
+    return "NOT matching: requests cut before an answer reached the gateway" if gateway > clients + open_ \
+        else "NOT matching: the gateway counted fewer answers than the clients got"
 
 
 def format_report(f: dict[str, Any]) -> str:
@@ -659,6 +711,8 @@ def format_report(f: dict[str, Any]) -> str:
         f"{'accounting':30} {'balanced' if f['balanced'] else 'NOT BALANCED'}: sent == completed + visible errors + lost",
         f"{'streams unlike the reference':30} {f['bad_streams']} (target 0)",
         f"{'429 / 503 answers waited out':30} {f['answers_429']} / {f['answers_503']} ({f['retry_wait_s']:g} s of Retry-After)",
+        f"{'resets before any answer':30} {f['resets_before_answer']}, sent again; answers: the clients got "
+        f"{f['answered']}, the gateway counted {f['gateway_answers']} ({resets_verdict(f)})",
         f"{'completed per second':30} {f['completed_per_s']}",
         f"{'E2E mean/median/p99':30} {e2e['mean_ms']} / {e2e['median_ms']} / {e2e['p99_ms']} ms",
         f"{'workers killed':30} {len(kills)} at {kill_times or '-'} s"
@@ -715,6 +769,7 @@ def run(args: argparse.Namespace) -> int:
             bench.fetch_references()
             progress(f"load for {args.duration:g} s, then up to {args.grace:g} s for open requests")
             ran = asyncio.run(bench.load())
+            bench.count_gateway_answers()
             progress("stopping the server")
         finally:
             bench.stop_server()
@@ -755,6 +810,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--startup-timeout", type=float, default=600.0)
     parser.add_argument("--shutdown-timeout", type=float, default=90.0, help="after SIGTERM, seconds before SIGKILL")
     parser.add_argument("--redis-port", type=int, default=0, help="the Redis port (default: a free one)")
+    parser.add_argument("--redis-aof", action="store_true",
+                        help="Redis with its append-only file on (as compose runs it): a restart keeps what it held")
     parser.add_argument("--serve-log", default=None, help="file for the server's output (default: a temporary one)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the choice of the worker to kill")
     parser.add_argument("--json", default=None, metavar="FILE", help="also write every figure to FILE")

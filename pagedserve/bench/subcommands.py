@@ -1,12 +1,13 @@
-"""The `pagedserve bench offline|latency|serve|chaos` subcommands, hooked into the `pagedserve` parser by
+"""The `pagedserve bench offline|latency|serve|chaos|redis-load` subcommands, hooked into the `pagedserve` parser by
 `add_bench_parsers`. The runners import lazily, so `pagedserve --help` loads no torch (the
-chaos module imports only the standard library until it runs)."""
+chaos and redis-load modules import only the standard library until they run)."""
 
 from __future__ import annotations
 
 import argparse
 
 from pagedserve.bench import chaos as chaos_bench
+from pagedserve.bench import redis_load as redis_load_bench
 from pagedserve.bench.workloads import OFFLINE_WORKLOADS, SERVE_WORKLOADS
 from pagedserve.common.engine_config import DEFAULT_MODEL
 
@@ -120,3 +121,8 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:
     chaos = bench.add_parser("chaos", help="streaming load on `pagedserve serve` while workers are killed and Redis restarts")
     chaos_bench.add_arguments(chaos)
     chaos.set_defaults(func=chaos_bench.run)
+
+    redis_load = bench.add_parser("redis-load", help="Redis commands and CPU per token of fake workers (no model); "
+                                                     "how many workers one Redis core carries")
+    redis_load_bench.add_arguments(redis_load)
+    redis_load.set_defaults(func=redis_load_bench.run)

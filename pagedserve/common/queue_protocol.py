@@ -47,6 +47,7 @@ import msgspec
 from pagedserve.common.outputs import CompletionDelta
 from pagedserve.common.queue_scripts import ACK_IF_OWNER as ACK_IF_OWNER
 from pagedserve.common.queue_scripts import ADMIT as ADMIT
+from pagedserve.common.queue_scripts import FINISH as FINISH
 from pagedserve.common.queue_scripts import HEARTBEAT as HEARTBEAT
 from pagedserve.common.queue_scripts import RECONCILE as RECONCILE
 from pagedserve.common.queue_scripts import STEAL as STEAL

@@ -97,14 +97,31 @@ return 1
 #: KEYS: the entry's stream, tenant routed hash. ARGV: group, consumer, entry id, the
 #: tenant stream of a routed stream ("": the stream is a tenant stream). Returns 1 if
 #: acknowledged.
-ACK_IF_OWNER = """
-local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
-if p[1] == nil or p[1][2] ~= ARGV[2] then return 0 end
-redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
-if redis.call('XDEL', KEYS[1], ARGV[3]) == 1 and ARGV[4] ~= '' then
-  if redis.call('HINCRBY', KEYS[2], ARGV[4], -1) <= 0 then redis.call('HDEL', KEYS[2], ARGV[4]) end
+_ACK = """
+local function ack_if_owner(stream, routed_hash, group, consumer, entry_id, tenant)
+  local ok, p = pcall(redis.call, 'XPENDING', stream, group, entry_id, entry_id, 1)
+  if not ok or p[1] == nil or p[1][2] ~= consumer then return 0 end
+  redis.call('XACK', stream, group, entry_id)
+  if redis.call('XDEL', stream, entry_id) == 1 and tenant ~= '' then
+    if redis.call('HINCRBY', routed_hash, tenant, -1) <= 0 then redis.call('HDEL', routed_hash, tenant) end
+  end
+  return 1
 end
-return 1
+"""
+ACK_IF_OWNER = _ACK + """
+return ack_if_owner(KEYS[1], KEYS[2], ARGV[1], ARGV[2], ARGV[3], ARGV[4])
+"""
+
+#: A request's final chunk and its ack in one step: the chunk goes to the output stream,
+#: which then lives `ttl` seconds more, and the entry is acknowledged as by ACK_IF_OWNER.
+#: Atomic, and refused whole when Redis is full (no allow-oom flag): an entry is never
+#: acknowledged without its final chunk. KEYS: output stream, the entry's stream, tenant
+#: routed hash. ARGV: the encoded Chunk, ttl (seconds), group, consumer, entry id, the tenant
+#: stream of a routed stream (""). Returns 1 if acknowledged.
+FINISH = "#!lua\n" + _ACK + """
+redis.call('XADD', KEYS[1], '*', 'c', ARGV[1])
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+return ack_if_owner(KEYS[2], KEYS[3], ARGV[3], ARGV[4], ARGV[5], ARGV[6])
 """
 
 #: A Lua function the scripts below share: the id of the last entry a consumer group has

@@ -1,7 +1,8 @@
 """A Redis server that pagedserve starts and owns (for `pagedserve serve` and the tests).
 
 It runs a `redis-server` binary (`$PAGEDSERVE_REDIS_SERVER`, else the one on PATH) on a free
-loopback port, with no persistence, in a private directory, and stops it on exit. Nothing
+loopback port, with no persistence (or, asked, an append-only file as compose runs it), in a
+private directory, and stops it on exit. Nothing
 here depends on a Redis that happens to be running on the machine already.
 
 The server asks for a password drawn at start and holds at most `maxmemory` bytes: past them
@@ -119,8 +120,11 @@ class EmbeddedRedis:
     a context manager, or call `start()` and `stop()`; a restart keeps the port and password,
     so clients holding `url` reconnect."""
 
-    def __init__(self, port: int | None = None, startup_timeout: float = 10.0, maxmemory: int | None = None):
+    def __init__(self, port: int | None = None, startup_timeout: float = 10.0, maxmemory: int | None = None,
+                 appendonly: bool = False):
         self.port = port
+        # persistence as compose runs it (AOF, fsync every second): `restart` keeps the data
+        self.appendonly = appendonly
         self.startup_timeout = startup_timeout
         # bytes Redis may hold before writes fail (noeviction); None: ServeConfig's default
         self.maxmemory = ServeConfig().redis_maxmemory if maxmemory is None else maxmemory
@@ -149,7 +153,8 @@ class EmbeddedRedis:
             "bind 127.0.0.1",
             f"requirepass {self.password}",
             'save ""',
-            "appendonly no",
+            f"appendonly {'yes' if self.appendonly else 'no'}",
+            "appendfsync everysec",
             f"dir {_quoted(directory)}",
             f"logfile {_quoted(str(Path(directory) / 'redis.log'))}",
             f"maxmemory {self.maxmemory}",
@@ -165,8 +170,10 @@ class EmbeddedRedis:
         binary = find_redis_server()
         self.port = self.port or _free_port()
         self.password = self.password or secrets.token_urlsafe(32)
-        self._dir = tempfile.TemporaryDirectory(prefix="pagedserve-redis-")
-        config_file = self._write_config(self._dir.name)
+        if self._dir is None:  # else a restart that keeps its data (AOF)
+            self._dir = tempfile.TemporaryDirectory(prefix="pagedserve-redis-")
+            self._write_config(self._dir.name)
+        config_file = Path(self._dir.name) / "redis.conf"
         # Its own session: a terminal's Ctrl-C (SIGINT to the foreground process group) must not
         # stop Redis before the workers have drained through it; `stop` ends it, last. Its
         # environment is ours: the password is only in the config file.
@@ -188,7 +195,14 @@ class EmbeddedRedis:
             time.sleep(0.02)
         return self
 
-    def stop(self) -> None:
+    def restart(self, downtime: float = 0.0) -> None:
+        """Stop the server (SIGTERM: with AOF on, Redis writes its log out first) and start it
+        again on the same port with the same password; with AOF on, with the data it held."""
+        self.stop(keep_data=self.appendonly)
+        time.sleep(downtime)
+        self.start()
+
+    def stop(self, keep_data: bool = False) -> None:
         if self.process is not None and self.process.poll() is None:
             self.process.terminate()
             try:
@@ -199,7 +213,7 @@ class EmbeddedRedis:
         if self.process is not None and self.process.stderr:
             self.process.stderr.close()
         self.process = None
-        if self._dir is not None:
+        if self._dir is not None and not keep_data:
             with contextlib.suppress(OSError):
                 self._dir.cleanup()
             self._dir = None

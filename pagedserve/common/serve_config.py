@@ -97,6 +97,13 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     # of prefill costs a busy CPU thread (lower it for GPU workers; 0: off). multi-turn on 2
     # CPU workers: 1 ms let 20 of 96 turns be stolen (hit rate 61.2%), 3 ms 3 (66.3%)
     steal_cached_token_ms: float = 3.0
+    #: seconds between the gateway's reads of the output streams it waits on: one XREAD for
+    #: all of them (gateway/output_reader.py); a token reaches its client up to this much later
+    output_poll_interval: float = 0.01
+    #: seconds between two writes of a running request's new tokens by its worker (merged into
+    #: one entry; the first and the last go at once): fewer Redis entries, burstier streams.
+    #: 0: every step (docs/scaling.md#redis-budget)
+    output_interval: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("max_queued_requests", "max_queued_tokens", "max_attempts", "max_body_bytes",
@@ -122,9 +129,11 @@ class ServeConfig(msgspec.Struct, kw_only=True):
                 raise InvalidParameterError(name, "must be > 0 seconds")
         if self.redis_maxmemory < 1:
             raise InvalidParameterError("redis_maxmemory", "must be >= 1 byte")
-        for name in ("prefix_lookup_timeout", "routing_info_ttl"):
+        for name in ("prefix_lookup_timeout", "routing_info_ttl", "output_poll_interval"):
             if getattr(self, name) <= 0:
                 raise InvalidParameterError(name, "must be > 0 seconds")
+        if self.output_interval < 0:
+            raise InvalidParameterError("output_interval", "must be >= 0 seconds (0: every step)")
         if self.steal_after < 0:
             raise InvalidParameterError("steal_after", "must be >= 0 seconds")
         if self.steal_cached_token_ms < 0:

@@ -24,18 +24,18 @@ from pagedserve.common.queue_protocol import (
     CompletionDelta,
     OutputLog,
     QueuedRequest,
-    StreamRead,
     WorkerInfo,
     decode_chunk,
     decode_worker_info,
     encode,
 )
 from pagedserve.common.serve_config import ServeConfig
+from pagedserve.gateway.output_reader import OutputReader
 
 logger = logging.getLogger(__name__)
 
-#: how long one XREAD blocks before the reader looks at deadlines and drain again
-_READ_BLOCK_MS = 500
+#: how long a request waits for its next entries before it looks at deadlines and drain again
+_WAIT_S = 0.5
 
 
 class ShuttingDown(Exception):
@@ -65,8 +65,10 @@ class QueueClient:
             retry_on_error=[RedisConnectionError, RedisTimeoutError])
         self._admit = self.redis.register_script(q.ADMIT)
         self._reconcile = self.redis.register_script(q.RECONCILE)
+        self.reader = OutputReader(self.redis, config.output_poll_interval)  # every output stream, one XREAD a tick
 
     async def close(self) -> None:
+        await self.reader.close()
         await self.redis.aclose()
 
     async def ping(self) -> bool:
@@ -177,35 +179,34 @@ class QueueClient:
         """
         key = q.output_key(request_id)
         log = OutputLog(n)
-        last_id: str | bytes = "0-0"  # then the id of the last entry read
         # The worker running a request renews its marker every heartbeat; checks are spaced
         # so that two misses in a row cannot both fall before a renewal.
         check_every = max(1.0, 2 * self.config.heartbeat_interval)
         next_check, misses = time.monotonic() + check_every, 0
-        while not log.done:
-            if time.time() > deadline:
-                raise TimeoutError(request_id)
-            if give_up():
-                raise ShuttingDown(request_id)
-            if time.monotonic() >= next_check:
-                next_check = time.monotonic() + check_every
-                misses = 0 if await self._exists(request_id) else misses + 1
-                if misses >= _LOST_AFTER_MISSES:
-                    raise RequestLost(request_id)
-            try:
-                reply = cast(StreamRead, await self.redis.xread({key: last_id}, count=256, block=_READ_BLOCK_MS))
-            except (RedisConnectionError, RedisTimeoutError) as exc:
-                logger.warning("reading %s: redis unavailable (%s)", key, exc)
-                await asyncio.sleep(0.5)
-                continue
-            for _, entries in reply or []:
-                for entry_id, fields in entries:
-                    last_id = entry_id
+        subscription = self.reader.subscribe(key)  # Redis away: the reader waits for it
+        try:
+            while not log.done:
+                if time.time() > deadline:
+                    raise TimeoutError(request_id)
+                if give_up():
+                    raise ShuttingDown(request_id)
+                if time.monotonic() >= next_check:
+                    next_check = time.monotonic() + check_every
+                    misses = 0 if await self._exists(request_id) else misses + 1
+                    if misses >= _LOST_AFTER_MISSES:
+                        raise RequestLost(request_id)
+                try:
+                    entries = await asyncio.wait_for(subscription.batches.get(), timeout=_WAIT_S)
+                except TimeoutError:
+                    continue
+                for _entry_id, fields in entries:
                     accepted = log.apply(decode_chunk(fields[q.CHUNK_FIELD]))
                     if log.gap:  # never hand out an answer with tokens missing in the middle
                         raise RequestLost(request_id)
                     if accepted or log.done:
                         yield accepted, log
+        finally:
+            self.reader.unsubscribe(subscription)
         with contextlib.suppress(RedisError):  # it expires anyway
             await self.redis.unlink(key)
 

@@ -47,6 +47,7 @@ class ResponseBuilder:
         self.created = int(time.time())
         self.prompt_lengths: list[int] = []
         self.logs: list[OutputLog | None] = [None] * num_prompts
+        self.done: list[bool] = [False] * num_prompts  # per prompt: its last deltas were added
         num_choices = n * num_prompts
         self.texts: list[list[str]] = [[] for _ in range(num_choices)]
         self.logprobs: list[list[Logprobs]] = [[] for _ in range(num_choices)]
@@ -58,8 +59,10 @@ class ResponseBuilder:
         self.tools: list[ToolOutput] | None = [tool_output() for _ in range(num_choices)] if tool_output else None
 
     # -- folding -----------------------------------------------------------------------------
-    def add(self, prompt_index: int, deltas: list[CompletionDelta], log: OutputLog) -> None:
+    def add(self, prompt_index: int, deltas: list[CompletionDelta], log: OutputLog, last: bool) -> None:
+        """Fold in a prompt's new deltas; `last`: they are its last (its log may be ahead of them)."""
         self.logs[prompt_index] = log
+        self.done[prompt_index] = last
         for d in deltas:
             choice = prompt_index * self.n + d.index
             self._pending.append((choice, d))
@@ -68,11 +71,11 @@ class ResponseBuilder:
                 self.logprobs[choice].extend(d.logprobs)
             if d.finish_reason is not None:
                 self.finish_reasons[choice] = d.finish_reason
-        if log.done and log.error is not None and self.error is None:
+        if last and log.error is not None and self.error is None:
             self.error = log.error
 
     def all_done(self) -> bool:
-        return all(log is not None and log.done for log in self.logs)
+        return all(self.done)
 
     def has_content(self) -> bool:
         return any(self._pending) or any(any(pieces) for pieces in self.texts)

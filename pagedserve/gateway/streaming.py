@@ -67,34 +67,40 @@ async def _admit(state: GatewayState, request: Request, prompts: list[list[int]]
     return queued
 
 
-async def _merged_outputs(state: GatewayState, queued: list[QueuedRequest]) -> AsyncGenerator[tuple[int, list[CompletionDelta], OutputLog], None]:
-    """(prompt index, new deltas, that prompt's log) across every prompt, as they come."""
+async def _merged_outputs(state: GatewayState, queued: list[QueuedRequest]
+                          ) -> AsyncGenerator[tuple[int, list[CompletionDelta], OutputLog, bool], None]:
+    """(prompt index, new deltas, that prompt's log, whether these are its last) across every
+    prompt, as they come. The log may already hold later deltas than the item's (see `pump`):
+    whether the prompt ended is the item's flag, not `log.done`."""
     n = queued[0].params.n
     give_up = partial(_drain_expired, state)
     if len(queued) == 1:
         async for deltas, log in state.queue.outputs(queued[0].request_id, n, queued[0].deadline, give_up):
-            yield 0, deltas, log
+            yield 0, deltas, log, log.done
         return
     # Bounded: a pump waits while the client reads slowly, instead of piling up deltas.
     inbox: asyncio.Queue = asyncio.Queue(maxsize=_INBOX_SIZE)
 
     async def pump(i: int, qr: QueuedRequest) -> None:
+        # A pump runs ahead of the consumer: it folds a whole batch of entries into `log`
+        # before the consumer takes the first of them. Whether this item is the prompt's last
+        # is noted as of the item; `log.done` read later is True for every item of the batch.
         try:
             async for deltas, log in state.queue.outputs(qr.request_id, n, qr.deadline, give_up):
-                await inbox.put((i, deltas, log, None))
+                await inbox.put((i, deltas, log, log.done, None))
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer
-            await inbox.put((i, [], None, exc))
+            await inbox.put((i, [], None, False, exc))
 
     tasks = [asyncio.create_task(pump(i, qr)) for i, qr in enumerate(queued)]
     try:
         remaining = len(queued)
         while remaining:
-            i, deltas, log, exc = await inbox.get()
+            i, deltas, log, last, exc = await inbox.get()
             if exc is not None:
                 raise exc
-            if log.done:
+            if last:
                 remaining -= 1
-            yield i, deltas, log
+            yield i, deltas, log, last
     finally:
         for t in tasks:
             t.cancel()

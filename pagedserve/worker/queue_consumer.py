@@ -43,15 +43,16 @@ class QueueConsumer:
         self.worker_id = q.check_worker_id(worker_id or new_worker_id())
         self.redis = redis_clients.sync_client(redis_url, socket_connect_timeout=2, health_check_interval=10)
         self._stop = threading.Event()
-        self.outbox = Outbox(self.redis, self.worker_id)
+        self.outbox = Outbox(self.redis, self.worker_id, config.output_interval)
         self.reader = RequestReader(self.redis, config, self.worker_id, self.outbox, self._stop)
         self.takeover = Takeover(self.redis, config, self.worker_id, self.reader, self.outbox)
         self.cancellations = Cancellations(self.redis)
         self.heartbeat = Heartbeat(self.redis, config, self.worker_id, self._stop)
 
     def connection_lost(self) -> None:
-        """Redis went away: subscribe again once it is back."""
+        """Redis went away: subscribe again once it is back, and set the outputs' TTLs again."""
         self.cancellations.connection_lost()
+        self.outbox.connection_lost()
 
     def wait(self, seconds: float) -> bool:
         """Sleep, unless stopped; True when stopped."""

@@ -86,9 +86,9 @@ class RunningRequests(Mapping[str, Running]):
             deltas = out.deltas
             if out.finished:
                 error = None if out.error is None else WireError(message=out.error, code="engine_error")
-                self.outbox.send(run.request_id, Chunk(attempt=run.attempt, deltas=deltas, done=True, error=error,
-                                                       num_cached_tokens=out.num_cached_tokens))
-                self.outbox.ack(run.stream, run.entry_id)
+                self.outbox.finish(run.request_id, Chunk(attempt=run.attempt, deltas=deltas, done=True, error=error,
+                                                         num_cached_tokens=out.num_cached_tokens),
+                                   run.stream, run.entry_id)
                 self._runs.pop(run.request_id, None)
                 self._owned_changed()
             elif deltas:
@@ -99,8 +99,7 @@ class RunningRequests(Mapping[str, Running]):
         self.traces.error(run.request_id, error, started)
         if started:
             self._forget(run)
-        self.outbox.send(run.request_id, Chunk(attempt=run.attempt, done=True, error=error))
-        self.outbox.ack(run.stream, run.entry_id)
+        self.outbox.finish(run.request_id, Chunk(attempt=run.attempt, done=True, error=error), run.stream, run.entry_id)
 
     def cancel(self, request_ids: Iterable[str]) -> None:
         """These requests' clients went away."""

@@ -3,8 +3,11 @@ then a short run against a live server whose accounting must be exact."""
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import json
 
+import httpx
 import pytest
 
 from pagedserve.bench.chaos import (
@@ -16,11 +19,15 @@ from pagedserve.bench.chaos import (
     LOST,
     MISSING,
     PROMPTS,
+    RESET_BEFORE_ANSWER,
+    RETRY,
+    ChaosRun,
     Outcome,
     Reference,
     Tally,
     compare,
     read_stream,
+    resets_verdict,
     retry_after_seconds,
     rss_growth,
 )
@@ -126,6 +133,50 @@ def test_tally_files_each_request_once():
     assert f["e2e"]["mean_ms"] == pytest.approx(600)
 
 
+def _attempt_against(handler, tmp_path) -> tuple[Outcome, int]:
+    """One attempt of the chaos client against a hand-written HTTP server: its outcome, and
+    the answers the client counted."""
+    async def attempt() -> tuple[Outcome, int]:
+        server = await asyncio.start_server(handler, "127.0.0.1", 0)
+        args = argparse.Namespace(serve_log=None, seed=0, max_tokens=4, stall_timeout=5.0)
+        bench = ChaosRun(args, "model", tmp_path)
+        bench.base_url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        try:
+            async with httpx.AsyncClient(timeout=5) as http:
+                return await bench.attempt(http, 0), bench.tally.answered
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    return asyncio.run(attempt())
+
+
+def test_a_connection_cut_before_any_answer_is_sent_again_and_one_cut_after_is_lost(tmp_path):
+    async def cut_unanswered(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        writer.close()
+
+    async def cut_after_the_headers(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    outcome, answered = _attempt_against(cut_unanswered, tmp_path)
+    assert (outcome.kind, outcome.detail, outcome.retry_after, answered) == (RETRY, RESET_BEFORE_ANSWER, 0.0, 0)
+    outcome, answered = _attempt_against(cut_after_the_headers, tmp_path)
+    assert (outcome.kind, outcome.detail, answered) == (LOST, "cut_RemoteProtocolError", 1)
+
+
+def test_the_gateways_count_of_answers_tells_whether_a_cut_request_reached_it():
+    f = {"gateway_answers": 100, "answered": 100, "cancelled_unanswered": 0}
+    assert resets_verdict(f).startswith("so the gateway read none")
+    assert resets_verdict({**f, "gateway_answers": 102, "cancelled_unanswered": 2}).startswith("so the gateway read none")
+    assert resets_verdict({**f, "gateway_answers": 101}).startswith("NOT matching: requests cut")
+    assert resets_verdict({**f, "gateway_answers": 99}).startswith("NOT matching: the gateway counted fewer")
+    assert resets_verdict({**f, "gateway_answers": None}) == "the gateway's count could not be read"
+
+
 def test_rss_growth_between_the_first_and_the_last_window():
     samples = [{"t": t, "gateway_rss_mib": m} for t, m in [(0, 100.0), (30, 102.0), (60, 104.0), (90, 110.0), (120, 112.0)]]
     g = rss_growth(samples, window_s=30)
@@ -168,3 +219,5 @@ def test_a_short_chaos_run_accounts_for_every_request(tiny_checkpoint, tmp_path,
     assert all(s["gateway_rss_mib"] > 0 for s in f["samples"])
     assert f["gateway_rss"]["first_mib"] > 0 and f["gateway_rss"]["window_s"] == pytest.approx(16 / 3)
     assert f["config"]["max_tokens"] == max_tokens and f["config"]["prompts"] == len(PROMPTS)
+    # every answer the clients got, the gateway counted; and it read no request cut before one
+    assert f["answered"] <= f["gateway_answers"] <= f["answered"] + f["cancelled_unanswered"]

@@ -142,3 +142,19 @@ def test_a_server_that_cannot_start_says_why():
     assert "redis-server" in str(info.value)
     assert "Address already in use" in str(info.value)
     assert second.password and second.password not in str(info.value)
+
+
+@pytest.mark.parametrize("appendonly", [False, True])
+def test_a_restart_keeps_the_data_only_with_the_append_only_file(appendonly):
+    server = EmbeddedRedis(appendonly=appendonly).start()
+    try:
+        client = redis.Redis.from_url(server.url)
+        client.xadd("s", {"f": "v"})
+        client.close()
+        server.restart()
+        client = redis.Redis.from_url(server.url)
+        assert client.xlen("s") == (1 if appendonly else 0)
+        client.close()
+    finally:
+        server.stop()
+    assert server._dir is None  # a final stop removes the data
