@@ -64,16 +64,26 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     engines = {"float32": LLM(args.model, dtype="float32", enable_prefix_caching=False, num_threads=args.threads)}
+    # int8_kernel="flags": the CPU's best int8 x int8 kernel stays selected, to be A/B'd against
+    # the float path below (what `auto` would choose is printed first)
     engines["int8"] = LLM(args.model, dtype="float32", enable_prefix_caching=False, num_threads=args.threads,
-                          quantization="int8")
+                          quantization="int8", int8_kernel="flags")
     if args.quantize_lm_head:
         engines["int8+head"] = LLM(args.model, dtype="float32", enable_prefix_caching=False,
-                                   num_threads=args.threads, quantization="int8", quantize_lm_head=True)
+                                   num_threads=args.threads, quantization="int8", quantize_lm_head=True,
+                                   int8_kernel="flags")
     for llm in engines.values():
         llm.generate([[11] * 8], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     # (engine, the int8 kernel to select, or None to leave the switch as it is) per figure
     runs: dict[str, tuple[str, str | None]] = {name: (name, None) for name in engines}
     kernels = _cpu_kernels()
+    if kernels is not None:
+        from pagedserve.kernels.int8_kernel_choice import choose_int8_kernel, int8_layers
+
+        last = list(engines.values())[-1]
+        print("what --int8-kernel auto chooses here:",
+              choose_int8_kernel(kernels, int8_layers(last.engine.runner.model), "auto").describe())
+        kernels.set_int8_kernel(kernels.int8_kernels()[0])
     best = kernels.int8_kernel() if kernels is not None else "float"
     if best != "float":
         print(f"int8: the {best} kernel; int8/fma: the float path")
