@@ -90,11 +90,13 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     cuda_graph_max_batch: int = 256  # decode batches up to this size (and max_num_seqs) use graphs
     #: CPU float32: decode-only steps of up to this many rows run in the fused C++ step
     #: (kernels/cpu_decode.py; its scratch grows with the largest step run, up to this); 0 turns it off.
-    #: 16: at batch 64 the fused step measured 496 ms against the eager forward's 451 (one thread,
-    #: AMD EPYC with AVX-512, 2026-11-26): torch's BLAS beats our batch-invariant kernels at the
-    #: default model's width 576. Larger values keep a row's bits independent of its batch at
-    #: every decode size (the eager forward's BLAS does not), at that cost
-    fused_decode_max_batch: int = 16
+    #: 256 (every batch up to the default max_num_seqs; a row's bits then never depend on its
+    #: batch): on an AMD EPYC with AVX2 (Zen 3), 2 threads, quiet, the fused step took 226 ms at
+    #: batch 32 and 413 at 64 against the eager forward's 371 and 464 (benchmarks/fused_blas.py,
+    #: 3 rounds alternated, 2026-11-26). On an AVX-512 EPYC an earlier run (1 thread, loaded) had
+    #: it at 496 against 451 ms at batch 64. With int8 weights the fused step stops at 16 rows
+    #: (FUSED_INT8_MAX_BATCH: not measured above that)
+    fused_decode_max_batch: int = 256
     #: in the fused CPU step, float32 products (and the LM head) of this many rows and more call
     #: torch's BLAS instead of our batch-invariant kernels; 0: never. BLAS is faster there but
     #: a row's bits then depend on its batch, as in the eager forward, which uses the same BLAS

@@ -7,8 +7,8 @@ twice the speed of torch's batch-1 `F.linear` and, from 8 rows, run in register 
 (same bits, batch-invariant), and the element-wise work in the same loops, split across
 threads by rows in large steps, with no Python or aten calls per layer. The runner uses it
 for decode-only steps of up to `fused_decode_max_batch` rows (and, with speculative decoding,
-for steps that verify drafts: each draft a row, see `FusedDecoder.forward`) (16 by default; it runs any
-number, but at batch 64 it measured slower than the eager forward, see EngineConfig); every other step (prefill chunks, mixed batches)
+for steps that verify drafts: each draft a row, see `FusedDecoder.forward`): 256 by default,
+16 with int8 weights; every other step (prefill chunks, mixed batches)
 runs the model's own `forward`.
 
 With int8 weights (`EngineConfig.quantization`), the projections whose `DecoderLayerWeights`
@@ -46,6 +46,11 @@ def fused_decode_supported(weights: DecoderWeights | None, dtype: torch.dtype, d
     return None
 
 
+#: with int8 weights, the most rows of a fused step: its int8 kernels were measured faster than
+#: the eager forward (dequantize + BLAS) up to 16 rows, and not measured above
+FUSED_INT8_MAX_BATCH = 16
+
+
 def _scales(w: DecoderLayerWeights) -> list[torch.Tensor | None]:
     """The int8 scales of one layer's projections, in the kernel's slot order (None: float)."""
     return [w.qkv_scale, w.o_proj_scale, w.gate_up_scale, w.down_scale]
@@ -60,7 +65,9 @@ class FusedDecoder:
         assert kernels is not None, "check fused_decode_supported first"
         self._kernels = kernels
         self.kv_caches = kv_caches
-        self.max_batch = max_batch  # the most rows (tokens) of a step run here
+        int8 = any(_scales(w) != [None] * 4 for w in weights.layers)
+        #: the most rows (tokens) of a step run here
+        self.max_batch = min(max_batch, FUSED_INT8_MAX_BATCH) if int8 else max_batch
         #: the most tokens of one sequence in a step run here: 1 (decodes), or 1 + the drafts a
         #: speculative step verifies, each draft a row of its own (see `takes`)
         self.max_query_len = max_query_len
