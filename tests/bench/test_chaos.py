@@ -219,5 +219,8 @@ def test_a_short_chaos_run_accounts_for_every_request(tiny_checkpoint, tmp_path,
     assert all(s["gateway_rss_mib"] > 0 for s in f["samples"])
     assert f["gateway_rss"]["first_mib"] > 0 and f["gateway_rss"]["window_s"] == pytest.approx(16 / 3)
     assert f["config"]["max_tokens"] == max_tokens and f["config"]["prompts"] == len(PROMPTS)
-    # every answer the clients got, the gateway counted; and it read no request cut before one
-    assert f["answered"] <= f["gateway_answers"] <= f["answered"] + f["cancelled_unanswered"]
+    # every answer the clients got, the gateway counted; what it counted beyond those were
+    # attempts the clients never saw answered: cut before an answer (and sent again) or still
+    # open at the end (whether the gateway read any cut one is printed, not asserted)
+    assert f["answered"] <= f["gateway_answers"] <= (f["answered"] + f["cancelled_unanswered"]
+                                                     + f["resets_before_answer"])
