@@ -9,7 +9,7 @@ import argparse
 from pagedserve.bench import chaos as chaos_bench
 from pagedserve.bench import redis_load as redis_load_bench
 from pagedserve.bench.workloads import OFFLINE_WORKLOADS, SERVE_WORKLOADS
-from pagedserve.common.engine_config import DEFAULT_MODEL
+from pagedserve.common.engine_config import DEFAULT_MODEL, TP_ALL_REDUCES
 
 
 def _bench_offline(args: argparse.Namespace) -> int:
@@ -82,6 +82,8 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:
     offline.add_argument("--profile-batches", default="1,64", help="batch sizes to profile (comma list)")
     offline.add_argument("--tensor-parallel-size", type=int, default=1,
                          help="--profile: ranks the model is split across (the table gains their all-reduce time)")
+    offline.add_argument("--tensor-parallel-all-reduce", choices=TP_ALL_REDUCES, default="auto",
+                         help="--profile with --tensor-parallel-size: how CPU ranks all-reduce (shared memory or gloo)")
     offline.add_argument("--profile-prompt", type=int, default=128, help="prompt tokens of each profiled request")
     offline.add_argument("--profile-steps", type=int, default=32, help="decode steps timed per batch size")
     offline.set_defaults(func=_bench_offline)

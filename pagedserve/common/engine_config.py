@@ -24,6 +24,8 @@ CPU_TOKENS_PER_THREAD = 1024
 #: --int8-kernel choices: auto (timed at load), flags (the CPU's best, untimed), or a kernel's
 #: name (whether this CPU can run it is checked at load)
 INT8_KERNELS = ("auto", "flags", "avx512vnni", "avxvnni", "avx2", "float")
+#: how tensor-parallel ranks on the CPU all-reduce (`tensor_parallel_all_reduce`)
+TP_ALL_REDUCES = ("auto", "shm", "gloo")
 
 #: --kv-cache-dtype choices (auto: the model's dtype); fp8_e4m3 only on a CUDA device
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
@@ -158,6 +160,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     tensor_parallel_timeout: float = 10.0
     #: seconds the ranks have to start and load their shards
     tensor_parallel_start_timeout: float = 300.0
+    #: how CPU ranks sum their partial products: `shm` through a shared-memory region on this
+    #: host (engine/shm_all_reduce.py), `gloo` over loopback TCP, `auto` shm where the CPU
+    #: kernels build, else gloo. CUDA ranks on GPUs of their own use NCCL whatever this says
+    tensor_parallel_all_reduce: str = "auto"
 
     def token_budget(self, device_type: str = "cpu", num_threads: int | None = None) -> int:
         """The step token budget: the one given, else the device type's default (on CPU, at
@@ -231,6 +237,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise InvalidParameterError("tensor_parallel_size", "must be >= 1 (1: no tensor parallelism)")
         if self.tensor_parallel_timeout <= 0 or self.tensor_parallel_start_timeout <= 0:
             raise InvalidParameterError("tensor_parallel_timeout", "the tensor-parallel timeouts must be > 0 seconds")
+        if self.tensor_parallel_all_reduce not in TP_ALL_REDUCES:
+            raise InvalidParameterError("tensor_parallel_all_reduce", f"must be {', '.join(TP_ALL_REDUCES)}, "
+                                        f"got {self.tensor_parallel_all_reduce!r}")
         if self.tensor_parallel_size > 1 and self.kv_tier_memory:
             raise InvalidParameterError("kv_tier_memory", "the KV tier holds unsharded blocks: it does not work "
                                         "with tensor_parallel_size > 1 yet")

@@ -13,7 +13,6 @@ from typing import cast
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from pagedserve.common.contracts import (
     AttentionMetadata,
@@ -32,6 +31,7 @@ from pagedserve.engine.grammar_manager import StructuredOutputManager
 from pagedserve.engine.grammar_sampling import advance, mask_logits
 from pagedserve.engine.kv_cache_pool import KVCachePool, resolve_kv_cache_dtype
 from pagedserve.engine.model_loader import check_tensor_parallel, load_model
+from pagedserve.engine.parallel_group import COLLECTIVE_ERRORS
 from pagedserve.engine.sampling_inputs import SamplingInputs, sampled_logprobs
 from pagedserve.engine.speculator import draft_prefixes, verify
 from pagedserve.engine.step_inputs import as_rows, kv_spec_for_rank, step_tensors, with_step_budget
@@ -156,7 +156,7 @@ class ModelRunner:
         try:
             hidden = self.forward(model_input)
             return self.sample(hidden, model_input, scheduler_output.scheduled)
-        except dist.DistError as exc:
+        except COLLECTIVE_ERRORS as exc:
             raise self.ranks.failure(exc) from exc
 
     def close(self) -> None:

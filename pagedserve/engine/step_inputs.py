@@ -20,7 +20,7 @@ from pagedserve.common.contracts import (
 from pagedserve.common.engine_config import EngineConfig
 from pagedserve.common.errors import InvalidParameterError
 from pagedserve.engine.kv_cache_pool import KVCacheSpec
-from pagedserve.engine.tensor_parallel import TorchParallelGroup
+from pagedserve.engine.parallel_group import TorchParallelGroup
 
 
 def kv_spec_for_rank(hf_config, kv_cache_dtype: torch.dtype, parallel: TorchParallelGroup | None) -> KVCacheSpec:

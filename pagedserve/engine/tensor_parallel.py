@@ -11,7 +11,9 @@ No pickle crosses any wire: a rank's start-up settings go down its stdin as msgs
 the rendezvous is torch's TCPStore, and everything else is tensors through
 torch.distributed process groups built directly (no global default group, so one process
 may hold several engines): gloo on CPU, NCCL for the tensors on CUDA when every rank has
-its own GPU (gloo carries the step inputs there too).
+its own GPU (gloo carries the step inputs there too). On the CPU the activations' all-reduce
+goes through shared memory instead (engine/shm_all_reduce.py, `--tensor-parallel-all-reduce`),
+since gloo's loopback TCP costs more than the layer it follows.
 
 A rank's stdin stays open for its whole life: when rank 0's process ends, however it ends,
 the rank reads EOF and exits, so no rank is orphaned.
@@ -26,15 +28,18 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from pagedserve.common.contracts import ModelInput, ParallelGroup
+from pagedserve.common.contracts import ModelInput
 from pagedserve.common.engine_config import EngineConfig
+from pagedserve.common.errors import InvalidParameterError
+from pagedserve.engine.parallel_group import TorchParallelGroup
+from pagedserve.engine.shm_all_reduce import SPIN_MICROSECONDS, SharedMemoryAllReduce, create_region
+from pagedserve.kernels.cpu_attention import cpu_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +61,9 @@ class ShardInit(msgspec.Struct):
     rank: int  # this process's rank, 1..world_size-1
     host: str  # the TCPStore of rank 0
     port: int
+    shm_path: str = ""  # the shared-memory all-reduce's region to map; "": all-reduce over gloo
+
+
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
@@ -70,83 +78,6 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
 def cpu_threads_per_rank(config: EngineConfig) -> int:
     """A rank's share of the CPU threads: --num-threads, else the cores over the ranks."""
     return config.num_threads or max(1, (os.cpu_count() or 1) // config.tensor_parallel_size)
-
-
-class TorchParallelGroup(ParallelGroup):
-    """A rank's process groups: `data` carries the activations (gloo, or NCCL on CUDA),
-    `meta` (always gloo, on the CPU) carries the step inputs and the set-up agreements."""
-
-    def __init__(self, store: dist.Store, rank: int, world_size: int, device: torch.device, timeout: float,
-                 start_timeout: float):
-        self.rank = rank
-        self.world_size = world_size
-        #: how long each collective of a step waits (the groups' own timeout, `start_timeout`,
-        #: bounds only their rendezvous)
-        self.timeout = datetime.timedelta(seconds=timeout)
-        self.meta = _gloo_group(dist.PrefixStore("meta/", store), rank, world_size,
-                                datetime.timedelta(seconds=start_timeout))
-        nccl = device.type == "cuda" and torch.cuda.device_count() >= world_size
-        if nccl:  # every rank on its own GPU (not measured here: the CI has no GPUs)
-            self.data: Any = dist.ProcessGroupNCCL(dist.PrefixStore("data/", store), rank, world_size,
-                                                  dist.ProcessGroupNCCL.Options())
-        else:
-            self.data = self.meta
-        self.backend = "nccl" if nccl else "gloo"
-        #: seconds in all-reduce (`comm_seconds`) and in the LM head's gather (`gather_seconds`)
-        #: since they were last reset (`bench offline --profile` reads them)
-        self.comm_seconds = 0.0
-        self.gather_seconds = 0.0
-
-    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        return self._all_reduce(self.data, tensor, dist.ReduceOp.SUM)
-
-    def all_reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
-        return self._all_reduce(self.data, tensor, dist.ReduceOp.MAX)
-
-    def agree_min(self, value: int, timeout: datetime.timedelta) -> int:
-        """The smallest `value` over the ranks (the KV blocks that fit every rank)."""
-        tensor = torch.tensor([value], dtype=torch.int64)
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.MIN  # type: ignore[assignment]  # torch's stubs type the member as RedOpType
-        opts.timeout = timeout
-        self.meta.allreduce([tensor], opts).wait()
-        return int(tensor.item())
-
-    def _all_reduce(self, group: Any, tensor: torch.Tensor, op: Any) -> torch.Tensor:
-        started = time.perf_counter()
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = op
-        opts.timeout = self.timeout
-        group.allreduce([tensor], opts).wait()
-        self.comm_seconds += time.perf_counter() - started
-        return tensor
-
-    def gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor:
-        started = time.perf_counter()
-        tensor = tensor.contiguous()
-        outputs = [[torch.empty_like(tensor) for _ in range(self.world_size)]] if self.rank == 0 else []
-        opts = dist.GatherOptions()
-        opts.rootRank = 0
-        opts.timeout = self.timeout
-        self.data.gather(outputs, [tensor], opts).wait()
-        self.gather_seconds += time.perf_counter() - started
-        return torch.cat(outputs[0], dim=-1) if self.rank == 0 else tensor
-
-    def broadcast(self, tensor: torch.Tensor, timeout: datetime.timedelta | None = None) -> torch.Tensor:
-        """Rank 0's `tensor` on every rank (the others pass a buffer of the same shape)."""
-        opts = dist.BroadcastOptions()
-        opts.rootRank = 0
-        opts.timeout = timeout or self.timeout
-        self.meta.broadcast([tensor], opts).wait()
-        return tensor
-
-
-
-def _gloo_group(store: dist.Store, rank: int, world_size: int, timeout: datetime.timedelta) -> Any:
-    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # torch's stubs lack it
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]  # ranks share one host
-    options._timeout = timeout
-    return dist.ProcessGroupGloo(store, rank, world_size, options)
 
 
 class StepMessage:
@@ -195,24 +126,40 @@ class ShardRanks:
                                    timeout=datetime.timedelta(seconds=config.tensor_parallel_start_timeout))
         env = {**os.environ, "OMP_NUM_THREADS": str(cpu_threads_per_rank(config))}
         self.processes: list[subprocess.Popen] = []
+        self.shm_path = shm_region_for(config, device)
         for rank in range(1, self.world_size):
             process = subprocess.Popen([sys.executable, "-m", "pagedserve.engine.shard_runner"],
                                        stdin=subprocess.PIPE, env=env)
             self.processes.append(process)
-            init = ShardInit(config, str(model_dir), rank, "127.0.0.1", self.store.port)
+            init = ShardInit(config, str(model_dir), rank, "127.0.0.1", self.store.port, str(self.shm_path or ""))
             assert process.stdin is not None
             process.stdin.write(msgspec.json.encode(init) + b"\n")
             process.stdin.flush()  # left open: its EOF tells the rank that rank 0 is gone
-        self.wait_for("started")
         try:
+            shm = None
+            if self.shm_path is not None:
+                shm = SharedMemoryAllReduce(self.shm_path, 0, self.world_size, config.tensor_parallel_timeout,
+                                            self.check_alive, spin_us_for(config))
+            self.wait_for("started")  # every rank has mapped the region: its name can go
+            self._unlink_region()
             self.group = TorchParallelGroup(self.store, 0, self.world_size, device, config.tensor_parallel_timeout,
-                                            config.tensor_parallel_start_timeout)
+                                            config.tensor_parallel_start_timeout, shm)
         except BaseException:
             self.close()
             raise
         self.broadcast_seconds = 0.0  # in `send_step`, since it was last reset
         logger.info("tensor parallelism: %d ranks over %s (rank pids %s)", self.world_size, self.group.backend,
                     [p.pid for p in self.processes])
+
+    def check_alive(self) -> None:
+        """Raise RankFailure naming a rank process that has exited."""
+        for rank, process in enumerate(self.processes, start=1):
+            if (code := process.poll()) is not None:
+                raise RankFailure(f"tensor-parallel rank {rank} (pid {process.pid}) exited with code {code}")
+
+    def _unlink_region(self) -> None:
+        if self.shm_path is not None:
+            self.shm_path.unlink(missing_ok=True)
 
     def wait_for(self, stage: str) -> None:
         """Wait until every rank set `stage/{rank}` in the store; a rank that exits first, or
@@ -244,18 +191,21 @@ class ShardRanks:
         try:
             self.group.broadcast(header)
             self.group.broadcast(payload)
-        except RuntimeError as exc:
+        except RuntimeError as exc:  # gloo's errors (a closed socket, a timeout)
             raise self.failure(exc) from exc
         self.broadcast_seconds += time.perf_counter() - started
 
     def failure(self, exc: BaseException) -> RankFailure:
         """What went wrong with the ranks, naming a rank that exited, for a failed collective
         (a dead rank's sockets close a moment before its exit shows: give it a second)."""
+        if isinstance(exc, RankFailure):
+            return exc
         deadline = time.monotonic() + 1.0
         while True:
-            for rank, process in enumerate(self.processes, start=1):
-                if (code := process.poll()) is not None:
-                    return RankFailure(f"tensor-parallel rank {rank} (pid {process.pid}) exited with code {code}")
+            try:
+                self.check_alive()
+            except RankFailure as failure:
+                return failure
             if time.monotonic() > deadline:
                 break
             time.sleep(0.02)
@@ -282,3 +232,26 @@ class ShardRanks:
                 process.kill()
                 process.wait()
         self.processes = []
+        self._unlink_region()
+
+
+def shm_region_for(config: EngineConfig, device: torch.device) -> Path | None:
+    """A new shared-memory region for the ranks' all-reduce, or None where they use gloo (or
+    NCCL): on CUDA, with `--tensor-parallel-all-reduce gloo`, or (auto) without the CPU kernels."""
+    choice = config.tensor_parallel_all_reduce
+    if device.type != "cpu" or choice == "gloo":
+        return None
+    if cpu_kernels() is None:
+        if choice == "shm":
+            raise InvalidParameterError("tensor_parallel_all_reduce", "shm needs the CPU kernels, which could not "
+                                        "be built here (see the log); use gloo")
+        logger.warning("tensor parallelism: the CPU kernels could not be built, so the ranks all-reduce over gloo")
+        return None
+    return create_region(config.tensor_parallel_size)
+
+
+def spin_us_for(config: EngineConfig) -> float:
+    """How long a shared-memory wait spins: not at all where the ranks' threads outnumber
+    the cores (a spinning rank would take the core of the rank it waits for)."""
+    threads = cpu_threads_per_rank(config) * config.tensor_parallel_size
+    return SPIN_MICROSECONDS if threads <= (os.cpu_count() or 1) else 0.0

@@ -16,7 +16,7 @@ from pagedserve.common.contracts import (
     kv_head_slice,
     tensor_parallel_sizes_problem,
 )
-from pagedserve.engine.tensor_parallel import TorchParallelGroup
+from pagedserve.engine.parallel_group import TorchParallelGroup
 from pagedserve.plugins.int8_quantization import Int8Quantization, quantize_per_channel
 from pagedserve.plugins.models.parallel_layers import (
     ColumnParallelLinear,

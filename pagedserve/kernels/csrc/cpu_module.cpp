@@ -1,5 +1,7 @@
-// The CPU extension module: the paged decode attention kernel (cpu_paged_attention.cpp) and
-// the fused decode step (cpu_decode.cpp), built together by kernels/cpu_attention.py.
+// The CPU extension module, built in one go by kernels/cpu_attention.py: the paged decode
+// attention kernel (cpu_paged_attention.cpp), the fused decode step (cpu_decode.cpp), the
+// int8 and int4 products (cpu_int8_gemv.cpp, cpu_int4_gemv.cpp) and the tensor-parallel
+// ranks' shared-memory counters (cpu_shm_sync.cpp).
 #include <torch/extension.h>
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -9,6 +11,7 @@ void store_kv_int8(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache
 void bind_cpu_decode(pybind11::module& m);
 void bind_cpu_int8_gemv(pybind11::module& m);
 void bind_cpu_int4_gemv(pybind11::module& m);
+void bind_cpu_shm_sync(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (CPU)");
@@ -16,4 +19,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_cpu_decode(m);
   bind_cpu_int8_gemv(m);
   bind_cpu_int4_gemv(m);
+  bind_cpu_shm_sync(m);
 }
