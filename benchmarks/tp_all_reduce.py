@@ -73,6 +73,7 @@ def bench_collectives(rounds: int, calls: int) -> None:
                           timeout=datetime.timedelta(seconds=60))
     child = subprocess.Popen([sys.executable, __file__, "--child", str(store.port), str(region),
                               str(rounds), str(calls)], env={**os.environ, "OMP_NUM_THREADS": "1"})
+    threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         shm = SharedMemoryAllReduce(region, 0, 2, timeout=30)
@@ -81,6 +82,7 @@ def bench_collectives(rounds: int, calls: int) -> None:
     finally:
         child.wait(60)
         region.unlink(missing_ok=True)
+        torch.set_num_threads(threads)
     print(f"all-reduce, 2 ranks, float32, mean of {calls} calls, median of {rounds} rounds:")
     print(f"{'shape':>12} {'shared mem':>13} {'gloo':>13} {'gloo/shm':>8}")
     print("\n".join(lines))

@@ -135,7 +135,8 @@ class ModelRunner:
         assert weights is not None  # checked above
         self.fused_decoder = FusedDecoder(weights, self.kv_caches, max_batch, blas_rows, max_query_len)
         logger.info("decode steps of up to %d sequences run in the fused CPU step%s", self.fused_decoder.max_batch,
-                    f" (float32 products of {blas_rows} rows and more by torch's BLAS)" if 0 < blas_rows <= max_batch
+                    f" (float32 products of {blas_rows} rows and more by torch's BLAS)"
+                    if 0 < blas_rows <= self.fused_decoder.max_batch
                     else "")
 
     @torch.inference_mode()

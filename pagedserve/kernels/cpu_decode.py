@@ -76,7 +76,7 @@ class FusedDecoder:
         self.lm_head_scale = weights.lm_head_scale
         layers = [[w.input_norm, w.qkv, w.qkv_bias, w.q_norm, w.k_norm, w.o_proj, w.post_norm, w.gate_up, w.down]
                   for w in weights.layers]
-        if any(_scales(w) != [None] * 4 for w in weights.layers):
+        if int8:
             layers = [slots + _scales(w) for slots, w in zip(layers, weights.layers)]
         self._impl = kernels.FusedDecoder(weights.embed, layers, weights.final_norm, weights.cos.float(),
                                           weights.sin.float(), weights.num_heads, weights.num_kv_heads,
