@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -115,3 +116,29 @@ def fake_worker(redis_client, chunks: list[Chunk], taken: list[QueuedRequest] | 
     thread = threading.Thread(target=run)
     thread.start()
     return thread
+
+
+def stream_completion(base_url: str, prompt: str, max_tokens: int, outcome: dict, key: str = "sk-test-a") -> None:
+    """Stream a greedy completion of `prompt` (model "m", EOS ignored) into `outcome`: the
+    text, the finish reason, and the codes of any error events."""
+    body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "stream": True}
+    outcome.update(text="", finish=None, errors=[])
+    with httpx.stream("POST", base_url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"},
+                      timeout=180) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                outcome["errors"].append(event["error"]["code"])
+                continue
+            [choice] = event["choices"]
+            outcome["text"] += choice["text"]
+            outcome["finish"] = choice["finish_reason"] or outcome["finish"]
+
+
+def cluster_workers(base_url: str, key: str = "sk-test-a") -> list[dict]:
+    """The workers as the gateway's /v1/cluster shows them."""
+    return httpx.get(base_url + "/v1/cluster", headers={"Authorization": f"Bearer {key}"}, timeout=5).json()["workers"]

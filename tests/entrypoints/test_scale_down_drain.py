@@ -7,21 +7,17 @@ tests/gateway/test_live_server.py::test_sigterm_drains."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
 
-import httpx
 import pytest
 
 from pagedserve import LLM, SamplingParams
 
-from serve_helpers import LiveServer, wait_until
+from serve_helpers import LiveServer, cluster_workers, stream_completion, wait_until
 from tiny_models import build_checkpoint
 
-KEY = "sk-test-a"
-AUTH = {"Authorization": f"Bearer {KEY}"}
 PROMPT = "A long story begins"
 MAX_TOKENS = 1500  # far longer than the drain: the stream is still running when it ends
 
@@ -29,28 +25,6 @@ MAX_TOKENS = 1500  # far longer than the drain: the stream is still running when
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return build_checkpoint("llama", tmp_path_factory.mktemp("scale-down-llama"), max_position_embeddings=4096)
-
-
-def _stream(base_url: str, outcome: dict) -> None:
-    body = {"model": "m", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True,
-            "stream": True}
-    outcome.update(text="", finish=None, errors=[])
-    with httpx.stream("POST", base_url + "/v1/completions", json=body, headers=AUTH, timeout=120) as response:
-        assert response.status_code == 200, response.read()
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                outcome["errors"].append(event["error"]["code"])
-                continue
-            [choice] = event["choices"]
-            outcome["text"] += choice["text"]
-            outcome["finish"] = choice["finish_reason"] or outcome["finish"]
-
-
-def _workers(base_url: str) -> list[dict]:
-    return httpx.get(base_url + "/v1/cluster", headers=AUTH, timeout=5).json()["workers"]
 
 
 def test_sigterm_to_one_worker_hands_back_the_requests_it_cannot_finish(model_dir):
@@ -64,12 +38,12 @@ def test_sigterm_to_one_worker_hands_back_the_requests_it_cannot_finish(model_di
                         "--heartbeat-interval", "0.5", "--worker-timeout", "5", "--worker-restart-limit", "0")
     try:
         server.wait_ready()
-        wait_until(lambda: sum(w["alive"] for w in _workers(server.base_url)) == 2, "two live workers", timeout=120)
+        wait_until(lambda: sum(w["alive"] for w in cluster_workers(server.base_url)) == 2, "two live workers", timeout=120)
         outcome: dict = {}
-        client = threading.Thread(target=_stream, args=(server.base_url, outcome))
+        client = threading.Thread(target=stream_completion, args=(server.base_url, PROMPT, MAX_TOKENS, outcome))
         client.start()
         wait_until(lambda: outcome.get("text"), "the first token", timeout=60)
-        [holder] = wait_until(lambda: [w for w in _workers(server.base_url) if w["num_running"] == 1],
+        [holder] = wait_until(lambda: [w for w in cluster_workers(server.base_url) if w["num_running"] == 1],
                               "the worker that holds the request to announce it", timeout=30)
         os.kill(holder["pid"], signal.SIGTERM)  # what the kubelet sends a pod it scales down
 
@@ -79,7 +53,7 @@ def test_sigterm_to_one_worker_hands_back_the_requests_it_cannot_finish(model_di
         assert outcome["finish"] == "length"
         assert outcome["text"] == expected  # one stream, token-exact across the hand-back
 
-        workers = _workers(server.base_url)
+        workers = cluster_workers(server.base_url)
         [gone] = [w for w in workers if w["worker_id"] == holder["worker_id"]]
         assert not gone["alive"]  # the drained worker left (not restarted: --worker-restart-limit 0)
         [taker] = [w for w in workers if w["alive"]]

@@ -7,23 +7,19 @@ worker that exits: tests/entrypoints/test_launcher.py.)"""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from pagedserve import LLM, SamplingParams
 
-from serve_helpers import LiveServer, wait_until
+from serve_helpers import LiveServer, cluster_workers, stream_completion, wait_until
 from tiny_models import build_checkpoint
 
-KEY = "sk-test-a"
-AUTH = {"Authorization": f"Bearer {KEY}"}
 PROMPTS = [f"Story number {i} begins" for i in range(4)]
 MAX_TOKENS = 400  # still running when the rank dies
 
@@ -31,28 +27,6 @@ MAX_TOKENS = 400  # still running when the rank dies
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return build_checkpoint("llama", tmp_path_factory.mktemp("rank-fault-llama"), max_position_embeddings=1024)
-
-
-def _stream(base_url: str, prompt: str, outcome: dict) -> None:
-    body = {"model": "m", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True,
-            "stream": True}
-    outcome.update(text="", finish=None, errors=[])
-    with httpx.stream("POST", base_url + "/v1/completions", json=body, headers=AUTH, timeout=180) as response:
-        assert response.status_code == 200, response.read()
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                outcome["errors"].append(event["error"]["code"])
-                continue
-            [choice] = event["choices"]
-            outcome["text"] += choice["text"]
-            outcome["finish"] = choice["finish_reason"] or outcome["finish"]
-
-
-def _workers(base_url: str) -> list[dict]:
-    return httpx.get(base_url + "/v1/cluster", headers=AUTH, timeout=5).json()["workers"]
 
 
 def _children(pid: int) -> list[int]:
@@ -87,15 +61,16 @@ def test_a_killed_rank_takes_its_worker_down_and_every_request_finishes_token_ex
                         "--heartbeat-interval", "0.5", "--worker-timeout", "5", "--worker-restart-limit", "0")
     try:
         server.wait_ready()
-        wait_until(lambda: sum(w["alive"] for w in _workers(server.base_url)) == 2, "two live workers", timeout=180)
+        wait_until(lambda: sum(w["alive"] for w in cluster_workers(server.base_url)) == 2, "two live workers", timeout=180)
         outcomes: list[dict] = [{} for _ in PROMPTS]
-        clients = [threading.Thread(target=_stream, args=(server.base_url, p, o)) for p, o in zip(PROMPTS, outcomes)]
+        clients = [threading.Thread(target=stream_completion, args=(server.base_url, p, MAX_TOKENS, o))
+                   for p, o in zip(PROMPTS, outcomes)]
         for client in clients:
             client.start()
         wait_until(lambda: all(o.get("text") for o in outcomes), "every stream's first token", timeout=90)
-        wait_until(lambda: sum(w["num_running"] for w in _workers(server.base_url)) == len(PROMPTS),
+        wait_until(lambda: sum(w["num_running"] for w in cluster_workers(server.base_url)) == len(PROMPTS),
                    "the workers to announce every request", timeout=30)
-        holder = max(_workers(server.base_url), key=lambda w: w["num_running"])
+        holder = max(cluster_workers(server.base_url), key=lambda w: w["num_running"])
         [rank1] = _children(holder["pid"])
         os.kill(rank1, signal.SIGKILL)
         killed = time.monotonic()
@@ -110,7 +85,7 @@ def test_a_killed_rank_takes_its_worker_down_and_every_request_finishes_token_ex
             assert outcome["finish"] == "length"
             assert outcome["text"] == text  # one stream, token-exact across the takeover
 
-        workers = _workers(server.base_url)
+        workers = cluster_workers(server.base_url)
         [gone] = [w for w in workers if w["worker_id"] == holder["worker_id"]]
         assert not gone["alive"]  # not restarted: --worker-restart-limit 0
         [taker] = [w for w in workers if w["alive"]]
