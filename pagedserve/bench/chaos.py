@@ -20,6 +20,14 @@ and file the request under exactly one outcome:
 - lost: the stream was cut without [DONE], went silent for --stall-timeout seconds, or
   was still open when the grace period after the run ran out.
 
+The clients' count of answers (status lines received) is set beside the gateway's own
+(/metrics). The gateway answers every request it reads, and a client that gives up first
+does not see the answer: an attempt silent for --stall-timeout before any status line (the
+gateway holds a stream's status line until its first token or error) is filed lost, and the
+gateway, seeing the connection close, answers it with a 499 that no one reads. So the
+gateway's count is the clients' count plus those attempts, plus at most the attempts still
+unanswered when the grace period cancelled them.
+
 A 429 or 503 is not an outcome: the client waits its Retry-After and sends the request
 again. Meanwhile a worker is killed with SIGKILL every --kill-every seconds, Redis is
 stopped and started once at --redis-restart-at, and the gateway's resident memory is
@@ -191,6 +199,9 @@ class Tally:
     retried: Counter = field(default_factory=Counter)  # "429" / "503" → answers waited out
     retry_wait_s: float = 0.0  # Retry-After seconds slept, over all clients
     answered: int = 0  # attempts that got a status line back (the reference requests too)
+    # attempts given up silent (--stall-timeout) before any status line: the gateway read them
+    # and answers each, with a 499 if nothing sooner, that no client reads
+    timed_out_unanswered: int = 0
     cancelled_unanswered: int = 0  # attempts still without an answer when the grace period ended
     e2e_s: list[float] = field(default_factory=list)  # send to [DONE] of completed requests, retries included
     mismatches: list[dict] = field(default_factory=list)  # the first few streams unlike their reference
@@ -236,6 +247,7 @@ class Tally:
             "errors_by_kind": dict(self.errors),
             "lost_by_reason": dict(self.lost),
             "answered": self.answered,
+            "timed_out_unanswered": self.timed_out_unanswered,
             "cancelled_unanswered": self.cancelled_unanswered,
             "resets_before_answer": self.retried.get(RESET_BEFORE_ANSWER, 0),
             "answers_429": self.retried.get("429", 0),
@@ -462,6 +474,8 @@ class ChaosRun:
         except (httpx.ConnectError, httpx.ConnectTimeout):
             return Outcome(ERROR, "connect_error")
         except httpx.ReadTimeout:
+            # unanswered, the client gives up and closes the connection: the gateway answers 499
+            self.tally.timed_out_unanswered += not answered
             return self.ended(reading, f"silent_{self.args.stall_timeout:g}s")
         except httpx.HTTPError as exc:  # the connection broke: RemoteProtocolError, ReadError, ...
             if not answered:
@@ -633,23 +647,33 @@ class ChaosRun:
             await asyncio.gather(*clients, return_exceptions=True)
         return ran
 
-    def count_gateway_answers(self) -> None:
+    def count_gateway_answers(self, settle_s: float = 5.0) -> None:
         """The answers the gateway counted (its /metrics: /v1/completions, and "other", where the
         HTTP layer's own answers go, as a 503 beyond --max-connections): set
         beside the clients' count, it says whether a request whose connection broke before
-        any answer had reached the gateway (it would have answered it, if only with a 499)."""
+        any answer had reached the gateway (it would have answered it, if only with a 499).
+
+        The gateway counts the 499 of an attempt given up at the end of the run a moment after
+        the client closed its connection, so the count is read again, for up to `settle_s`
+        seconds, until it holds at least what the clients' figures say it must."""
         import httpx
 
-        try:
-            text = httpx.get(self.base_url + "/metrics", timeout=10).text
-        except httpx.HTTPError:
-            return
-        total = 0.0
-        for line in text.splitlines():
-            if line.startswith("pagedserve:http_requests_total{") and any(
-                    f'route="{route}"' in line for route in ("/v1/completions", "other")):
-                total += float(line.rsplit(" ", 1)[1])
-        self.gateway_answers = int(total)
+        expected = self.tally.answered + self.tally.timed_out_unanswered
+        deadline = time.monotonic() + settle_s
+        while True:
+            try:
+                text = httpx.get(self.base_url + "/metrics", timeout=10).text
+            except httpx.HTTPError:
+                return
+            total = 0.0
+            for line in text.splitlines():
+                if line.startswith("pagedserve:http_requests_total{") and any(
+                        f'route="{route}"' in line for route in ("/v1/completions", "other")):
+                    total += float(line.rsplit(" ", 1)[1])
+            self.gateway_answers = int(total)
+            if self.gateway_answers >= expected or time.monotonic() >= deadline:
+                return
+            time.sleep(0.1)
 
     # -- the report ----------------------------------------------------------------------------------
     def figures(self, ran_s: float) -> dict[str, Any]:
@@ -673,16 +697,25 @@ class ChaosRun:
         return figures
 
 
+def gateway_answer_bounds(f: dict[str, Any]) -> tuple[int, int]:
+    """What the gateway's count of answers must be, given the clients' figures: it answers
+    every request it reads (a 499 if its client left), so it counts every answer a client got,
+    and the attempts the clients gave up on, silent, before any answer; plus at most the
+    attempts the grace period cut off unanswered (the gateway may not have read them yet)."""
+    low = f["answered"] + f["timed_out_unanswered"]
+    return low, low + f["cancelled_unanswered"]
+
+
 def resets_verdict(f: dict[str, Any]) -> str:
-    """Whether the requests cut before any answer reached the gateway: it answers every request
-    it reads (a 499 if its client left), so its count of answers is the clients' count, plus at
-    most the attempts the grace period cut off unanswered."""
-    gateway, clients, open_ = f["gateway_answers"], f["answered"], f["cancelled_unanswered"]
+    """Whether the requests cut before any answer reached the gateway: then the gateway's count
+    of answers would be above what the clients' figures account for."""
+    gateway = f["gateway_answers"]
     if gateway is None:
         return "the gateway's count could not be read"
-    if clients <= gateway <= clients + open_:
+    low, high = gateway_answer_bounds(f)
+    if low <= gateway <= high:
         return "so the gateway read none of the requests cut before an answer"
-    return "NOT matching: requests cut before an answer reached the gateway" if gateway > clients + open_ \
+    return "NOT matching: requests cut before an answer reached the gateway" if gateway > high \
         else "NOT matching: the gateway counted fewer answers than the clients got"
 
 
@@ -712,7 +745,8 @@ def format_report(f: dict[str, Any]) -> str:
         f"{'streams unlike the reference':30} {f['bad_streams']} (target 0)",
         f"{'429 / 503 answers waited out':30} {f['answers_429']} / {f['answers_503']} ({f['retry_wait_s']:g} s of Retry-After)",
         f"{'resets before any answer':30} {f['resets_before_answer']}, sent again; answers: the clients got "
-        f"{f['answered']}, the gateway counted {f['gateway_answers']} ({resets_verdict(f)})",
+        f"{f['answered']}, gave up on {f['timed_out_unanswered']} unanswered (silent) and "
+        f"{f['cancelled_unanswered']} at the end, the gateway counted {f['gateway_answers']} ({resets_verdict(f)})",
         f"{'completed per second':30} {f['completed_per_s']}",
         f"{'E2E mean/median/p99':30} {e2e['mean_ms']} / {e2e['median_ms']} / {e2e['p99_ms']} ms",
         f"{'workers killed':30} {len(kills)} at {kill_times or '-'} s"
