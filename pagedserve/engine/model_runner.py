@@ -31,7 +31,6 @@ from pagedserve.engine.grammar_manager import StructuredOutputManager
 from pagedserve.engine.grammar_sampling import advance, mask_logits
 from pagedserve.engine.kv_cache_pool import KVCachePool, resolve_kv_cache_dtype
 from pagedserve.engine.model_loader import check_tensor_parallel, load_model
-from pagedserve.engine.parallel_group import COLLECTIVE_ERRORS
 from pagedserve.engine.sampling_inputs import SamplingInputs, sampled_logprobs
 from pagedserve.engine.speculator import draft_prefixes, verify
 from pagedserve.engine.step_inputs import as_rows, kv_spec_for_rank, step_tensors, with_step_budget
@@ -148,17 +147,18 @@ class ModelRunner:
         return self.sample(hidden, model_input, scheduler_output.scheduled)
 
     def _run_ranks(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
-        """`run` as rank 0 of N: the step's inputs go to every rank first, which then runs its
-        shard as this one does (engine/shard_runner.py); a collective that fails means a
-        rank died or hung, and raises RankFailure."""
+        """`run` as rank 0 of N (the others: engine/shard_runner.py). A failure in the step's
+        collectives (all-reduces, the LM head's gather; gloo raises plain RuntimeErrors) leaves
+        the ranks out of step: RankFailure, naming a rank that died."""
         assert self.ranks is not None
         model_input = self.prepare_inputs(scheduler_output.scheduled)
         self.ranks.send_step(model_input)
         try:
             hidden = self.forward(model_input)
-            return self.sample(hidden, model_input, scheduler_output.scheduled)
-        except COLLECTIVE_ERRORS as exc:
+            logits = self.compute_logits(hidden, model_input.sample_rows) if model_input.sample_entries else None
+        except Exception as exc:
             raise self.ranks.failure(exc) from exc
+        return self.sample(hidden, model_input, scheduler_output.scheduled, logits)
 
     def close(self) -> None:
         """Stop the other ranks, if any."""
@@ -254,13 +254,14 @@ class ModelRunner:
         input_ids, positions, metadata = self._tensors(batch)
         return self.model(input_ids, positions, metadata, self.kv_caches)
 
-    def sample(self, hidden: torch.Tensor, batch: ModelInput, entries: list[ScheduledRequest]) -> RunnerOutput:
-        """The new tokens of each entry whose prompt is complete, and the logprobs asked for.
-        An entry with drafts keeps those its target samples agree with (`verify`)."""
+    def sample(self, hidden: torch.Tensor, batch: ModelInput, entries: list[ScheduledRequest],
+               logits: torch.Tensor | None = None) -> RunnerOutput:
+        """The new tokens of each entry whose prompt is complete, and the logprobs asked for
+        (from `logits` when given). An entry with drafts keeps those its samples agree with."""
         sampled: list[list[int]] = [[] for _ in entries]
         if not batch.sample_entries:
             return RunnerOutput(sampled, None)
-        logits = self.compute_logits(hidden, batch.sample_rows)  # [num_rows, vocab]
+        logits = self.compute_logits(hidden, batch.sample_rows) if logits is None else logits  # [rows, vocab]
         grammar = self.grammar
         step = mask_logits(grammar, logits, entries, batch.sample_entries) if grammar and grammar.states else None
         requests = [entries[i].request for i in batch.sample_entries]

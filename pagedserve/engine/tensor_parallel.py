@@ -209,8 +209,8 @@ class ShardRanks:
             if time.monotonic() > deadline:
                 break
             time.sleep(0.02)
-        return RankFailure(f"a tensor-parallel collective failed or timed out after "
-                           f"{self.group.timeout.total_seconds():g} s (a rank hung?): {exc}")
+        return RankFailure(f"a tensor-parallel step failed, leaving the ranks out of step (a collective failed "
+                           f"or timed out after {self.group.timeout.total_seconds():g} s: a rank hung?): {exc}")
 
     def close(self) -> None:
         """Stop every rank: a STOP message when they listen, then their stdin closes, then,

@@ -33,7 +33,9 @@ class GrammarChecker:
         self._backend_lock = threading.Lock()
         self.max_chars = max_chars
         self.compile_timeout = compile_timeout
-        self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grammar-check")
+        self._threads = threads
+        #: made at first use, and again after `close` (an app's lifespan may start again)
+        self._executor: ThreadPoolExecutor | None = None
         self._cache_size = cache_size
         # cache key → an error message, _OK, or the compile still running
         self._cache: OrderedDict[str, str | Future[str]] = OrderedDict()
@@ -47,7 +49,9 @@ class GrammarChecker:
                                                f"{self.max_chars} (--max-structured-output-chars)")
         key = spec.cache_key()
         entry = self._cache.get(key)
-        if entry is None:
+        if entry is None or (isinstance(entry, Future) and entry.cancelled()):  # cancelled by `close`
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=self._threads, thread_name_prefix="grammar-check")
             entry = self._executor.submit(self._compile, spec)
             self._remember(key, entry)
         else:
@@ -83,4 +87,7 @@ class GrammarChecker:
         return _OK
 
     def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        """Stop the threads (a later `check` starts new ones)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None

@@ -171,6 +171,16 @@ def test_int8_weights_split_across_two_ranks_are_the_unsplit_ones(llama8):
             assert [t.token_id for t in g_top] == [t.token_id for t in e_top]
             torch.testing.assert_close(torch.tensor([t.logprob for t in g_top]),
                                        torch.tensor([t.logprob for t in e_top]), atol=2e-2, rtol=0)
+
+        # gloo's error in the LM head's gather (a rank's socket closed) is a plain RuntimeError:
+        # it still takes the worker down, rather than failing the step's requests and going on
+        def reset(tensor):
+            raise RuntimeError("Read error: Connection reset by peer")
+
+        two.engine.runner.ranks.group.gather_last_dim = reset
+        two.engine.add_request("gather-fails", prompts[0], first)
+        with pytest.raises(RankFailure, match="out of step .*Connection reset by peer"):
+            two.engine.step()
     finally:
         two.close()
 

@@ -129,3 +129,49 @@ def test_a_compile_over_the_timeout_is_refused(redis_url, tokenizer_dir):
         status, param, message = _answer(http, {**CHAT, "structured_outputs": {"regex": "[0-9]{1,50}x"}})
     assert (status, param) == (400, "structured_outputs")
     assert "took longer than 0.05 s" in message
+
+
+def test_the_checker_works_again_after_its_lifespan_closed_it():
+    """An app's lifespan may shut down and start again (an ASGI test harness does): the
+    checker's threads, stopped by `close`, start again at the next check, and a compile that
+    `close` cancelled is not served from the cache as a server error."""
+    import asyncio
+    import threading
+
+    from pagedserve.common.structured_outputs import StructuredOutputsParams
+    from pagedserve.gateway.grammar_check import GrammarChecker
+
+    release = threading.Event()
+    calls = []
+
+    class Backend:
+        def compile(self, spec):
+            calls.append(spec.regex)
+            if spec.regex == "slow":
+                release.wait(5)
+            if spec.regex == "a(b":
+                from pagedserve.common.contracts import GrammarError
+
+                raise GrammarError("unbalanced parenthesis")
+
+    checker = GrammarChecker(Backend, 400, compile_timeout=0.2, threads=1)
+
+    async def scenario() -> list[str]:
+        answers = []
+        for regex in ("x+", "slow", "x+", "a(b"):
+            if regex == "x+" and answers:
+                checker.close()  # the lifespan's shutdown, while "slow" still compiles
+                release.set()
+            try:
+                await checker.check(StructuredOutputsParams(regex=regex), "structured_outputs")
+                answers.append("ok")
+            except Exception as exc:  # noqa: BLE001 - the refusal is what is asserted
+                answers.append(f"{type(exc).__name__}: {exc}")
+        return answers
+
+    answers = asyncio.run(scenario())
+    assert answers[0] == answers[2] == "ok"
+    assert answers[1].startswith("InvalidParameterError") and "took longer than 0.2 s" in answers[1]
+    assert answers[3].startswith("InvalidParameterError") and "unbalanced parenthesis" in answers[3]
+    assert calls == ["x+", "slow", "a(b"]  # "x+" once: cached across the close
+    checker.close()
