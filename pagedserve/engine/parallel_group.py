@@ -17,11 +17,7 @@ import torch
 import torch.distributed as dist
 
 from pagedserve.common.contracts import ParallelGroup
-from pagedserve.engine.shm_all_reduce import CollectiveTimeout, SharedMemoryAllReduce
-
-#: what a failed collective raises: gloo's error (a peer's socket closed, its timeout) or the
-#: shared-memory all-reduce's timeout
-COLLECTIVE_ERRORS = (dist.DistError, CollectiveTimeout)
+from pagedserve.engine.shm_all_reduce import SharedMemoryAllReduce
 
 
 class TorchParallelGroup(ParallelGroup):
@@ -98,7 +94,6 @@ class TorchParallelGroup(ParallelGroup):
         opts.timeout = timeout or self.timeout
         self.meta.broadcast([tensor], opts).wait()
         return tensor
-
 
 
 def _gloo_group(store: dist.Store, rank: int, world_size: int, timeout: datetime.timedelta) -> Any:

@@ -31,8 +31,8 @@ from pagedserve.common.contracts import CausalLMPlugin, ModelInput
 from pagedserve.engine.device import resolve_device, resolve_dtype
 from pagedserve.engine.kv_cache_pool import KVCachePool, resolve_kv_cache_dtype
 from pagedserve.engine.model_loader import load_model
-from pagedserve.engine.parallel_group import COLLECTIVE_ERRORS, TorchParallelGroup
-from pagedserve.engine.shm_all_reduce import SharedMemoryAllReduce
+from pagedserve.engine.parallel_group import TorchParallelGroup
+from pagedserve.engine.shm_all_reduce import SharedMemoryAllReduce, spin_microseconds
 from pagedserve.engine.step_inputs import kv_spec_for_rank, step_tensors
 from pagedserve.engine.tensor_parallel import (
     IDLE_WAIT,
@@ -40,7 +40,6 @@ from pagedserve.engine.tensor_parallel import (
     StepMessage,
     cpu_threads_per_rank,
     rank_device,
-    spin_us_for,
 )
 from pagedserve.kernels.selector import select_kernels
 
@@ -114,12 +113,14 @@ def main() -> None:
     config = init.config
     if resolve_device(config.device).type == "cpu":
         torch.set_num_threads(cpu_threads_per_rank(config))
-    # Mapped before this rank says it started: rank 0 then unlinks the region's name. Rank 0
-    # judges a hung rank (it names it); this rank's own wait, longer, only guards against a
-    # rank 0 that hangs without exiting.
-    shm = (SharedMemoryAllReduce(Path(init.shm_path), init.rank, config.tensor_parallel_size,
-                                 2 * config.tensor_parallel_timeout + 5, spin_us=spin_us_for(config))
-           if init.shm_path else None)
+    # the shared memory's region, inherited from rank 0. Rank 0 judges a hung rank (it names
+    # it); this rank's own wait, longer, only guards against a rank 0 hung without exiting
+    shm = None
+    if init.shm_fd >= 0:
+        shm = SharedMemoryAllReduce(init.shm_fd, init.rank, config.tensor_parallel_size,
+                                    2 * config.tensor_parallel_timeout + 5,
+                                    spin_us=spin_microseconds(cpu_threads_per_rank(config), config.tensor_parallel_size))
+        os.close(init.shm_fd)  # the mapping holds its own
     store = dist.TCPStore(init.host, init.port, config.tensor_parallel_size, is_master=False,
                           timeout=datetime.timedelta(seconds=config.tensor_parallel_start_timeout))
     store.set(f"started/{init.rank}", "1")
@@ -130,7 +131,8 @@ def main() -> None:
         group = TorchParallelGroup(store, init.rank, config.tensor_parallel_size, device,
                                    config.tensor_parallel_timeout, config.tensor_parallel_start_timeout, shm)
         ShardRunner(init, store, group, device).serve()
-    except COLLECTIVE_ERRORS as exc:  # rank 0 died or gave up, or a rank hung: nothing left to serve
+    except RuntimeError as exc:  # a collective failed (gloo's errors are plain RuntimeErrors): rank 0 is
+        # gone or gave up, or a rank hung; nothing left to serve
         logger.error("tensor-parallel rank %d stops: %s", init.rank, exc)
         os._exit(1)
     os._exit(0)

@@ -2,35 +2,35 @@
 
 gloo's all-reduce crosses loopback TCP: a few hundred microseconds even for one token's
 hidden state, twice per layer, so it dominated a TP step on the CPU. Here the ranks map one
-region (a file in /dev/shm that rank 0 creates and unlinks once every rank has mapped it)
-and each round of an all-reduce is:
+region, an anonymous memory file (memfd) that rank 0 creates and hands to each rank process
+as an inherited file descriptor, so no name is left behind however a process ends. Each
+round of an all-reduce is:
 
-    wait until every rank has read this slot set's last round   (departed ≥ round − 2)
-    copy my tensor into my slot                                  → mark arrived = round
-    wait until every rank has arrived                            (arrived ≥ round)
-    sum the slots in rank order into my tensor                   → mark departed = round
+    copy my tensor into my slot of this round's set   → arrived = round (with the tensor's tag)
+    wait until every rank has arrived                  (and wrote a tensor of the same tag)
+    sum the slots in rank order into my tensor
 
 Every rank sums the same slots in the same order, so every rank gets the same bits. Rounds
-alternate between two slot sets, so a fast rank writes the next round while a slow one still
-reads the last. A tensor larger than a slot goes in several rounds.
+alternate between two slot sets: a rank can run at most one round ahead (it cannot pass the
+next round's wait without the others), so it never writes a set that someone still reads.
+A tensor larger than a slot goes in several rounds. A rank that all-reduces a tensor of
+another size or dtype than the others is an error, not a wrong sum.
 
-The counters live in the region's header and are stored and loaded with release / acquire
-order by two C++ functions (kernels/csrc/cpu_shm_sync.cpp), which wait with the GIL
-released; the data moves with torch's own copy and add.
+The header's counters and tags are stored and loaded with release / acquire order by two C++
+functions (kernels/csrc/cpu_shm_sync.cpp); the wait releases the GIL. The data moves with
+torch's own copy and add.
 
-Region layout: the header (two counters per rank, a cache line each) padded to 4 KiB, then
-the slots [2 sets][world_size ranks][SLOT_BYTES].
+Region layout: the header (one 64-byte line per rank: its round and two tags) padded to
+4 KiB, then the slots [2 sets][world_size ranks][SLOT_BYTES].
 """
 
 from __future__ import annotations
 
 import mmap
 import os
-import secrets
 import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
@@ -39,59 +39,70 @@ from pagedserve.kernels.cpu_attention import cpu_kernels
 #: bytes of one rank's slot: 256 rows of a 1024-wide float32 hidden state per round (larger
 #: tensors take several rounds); the region is 2 × ranks × this, 16 MiB for 8 ranks
 SLOT_BYTES = 1 << 20
-HEADER_BYTES = 4096  # two 64-byte counters per rank: room for 32 ranks
-ARRIVED, DEPARTED = 0, 1  # the counters (cpu_shm_sync.cpp)
+HEADER_BYTES = 4096
+LINE_BYTES = 64  # one rank's line in the header (cpu_shm_sync.cpp)
+MAX_RANKS = HEADER_BYTES // LINE_BYTES
 #: how long one C++ wait lasts before the ranks' health is checked again
 POLL_SECONDS = 0.05
 #: microseconds a wait spins before it sleeps in short naps (0 where ranks outnumber cores)
 SPIN_MICROSECONDS = 200.0
-MAX_RANKS = HEADER_BYTES // 128
+#: the dtypes a tensor's tag tells apart (its element count is the rest of the tag)
+DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float64: 4, torch.int64: 5,
+               torch.int32: 6}
 
 
 class CollectiveTimeout(RuntimeError):
     """A rank did not reach a round within the timeout: it hung or died."""
 
 
+class CollectiveMismatch(RuntimeError):
+    """The ranks all-reduced tensors of different sizes or dtypes in one round."""
+
+
 def region_bytes(world_size: int) -> int:
     return HEADER_BYTES + 2 * world_size * SLOT_BYTES
 
 
-def create_region(world_size: int) -> Path:
-    """A new zero-filled region file for `world_size` ranks, readable by this user only."""
+def create_region(world_size: int) -> int:
+    """A file descriptor of a new zero-filled region for `world_size` ranks, with no name: a
+    memfd, else a temporary file unlinked at once. Pass it to rank processes (`pass_fds`)."""
     if world_size > MAX_RANKS:
         raise ValueError(f"the shared-memory all-reduce serves at most {MAX_RANKS} ranks")
-    folder = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-    path = folder / f"pagedserve-tp-{os.getpid()}-{secrets.token_hex(4)}"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.ftruncate(fd, region_bytes(world_size))
-    finally:
-        os.close(fd)
-    return path
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create("pagedserve-tp", os.MFD_CLOEXEC)
+    else:  # not Linux
+        fd, path = tempfile.mkstemp(prefix="pagedserve-tp-")
+        os.unlink(path)
+    os.ftruncate(fd, region_bytes(world_size))
+    return fd
+
+
+def spin_microseconds(threads_per_rank: int, world_size: int) -> float:
+    """How long a wait spins: not at all where the ranks' threads outnumber the cores (a
+    spinning rank would take the core of the rank it waits for)."""
+    return SPIN_MICROSECONDS if threads_per_rank * world_size <= (os.cpu_count() or 1) else 0.0
 
 
 class SharedMemoryAllReduce:
     """One rank's side of the region: `all_reduce` sums a CPU tensor over the ranks in place."""
 
-    def __init__(self, path: Path, rank: int, world_size: int, timeout: float,
+    def __init__(self, fd: int, rank: int, world_size: int, timeout: float,
                  health_check: Callable[[], None] | None = None, spin_us: float = SPIN_MICROSECONDS):
-        self.ops = cpu_kernels()
-        if self.ops is None:
+        ops = cpu_kernels()
+        if ops is None:
             raise RuntimeError("the shared-memory all-reduce needs the CPU kernels, which could not be built")
-        fd = os.open(path, os.O_RDWR)
-        try:
-            self._map = mmap.mmap(fd, region_bytes(world_size))
-        finally:
-            os.close(fd)
-        self.region = torch.frombuffer(self._map, dtype=torch.uint8)
-        self.rank = rank
+        self.ops = ops  # the compiled extension: shm_arrive, shm_wait
+        self._map = mmap.mmap(fd, region_bytes(world_size))  # its own copy of the descriptor
+        self.region = torch.frombuffer(self._map, dtype=torch.uint8)  # the whole mapping, as the C++ sees it
+        self.rank = rank  # this rank, 0..world_size-1
         self.world_size = world_size
-        self.timeout = timeout
+        self.timeout = timeout  # seconds a round waits for the other ranks
         #: raises when a rank is known to be gone (rank 0 polls its rank processes), so a death
         #: ends the wait at once rather than at the timeout
         self.health_check = health_check
-        self.spin_us = spin_us
+        self.spin_us = spin_us  # microseconds a wait spins before it naps
         self.round = 0  # the last round this rank took part in
+        #: the slots, [set][rank], as uint8 views of the region
         self.slots = [[self.region[HEADER_BYTES + (s * world_size + r) * SLOT_BYTES:][:SLOT_BYTES]
                        for r in range(world_size)] for s in range(2)]
 
@@ -106,34 +117,37 @@ class SharedMemoryAllReduce:
         return tensor
 
     def _reduce_round(self, chunk: torch.Tensor) -> None:
+        if chunk.dtype not in DTYPE_CODES:
+            raise TypeError(f"the shared-memory all-reduce does not take {chunk.dtype}")
         self.round += 1
+        tag = chunk.numel() << 8 | DTYPE_CODES[chunk.dtype]
         slots = [slot.view(chunk.dtype)[: chunk.numel()] for slot in self.slots[self.round & 1]]
-        self._wait(DEPARTED, self.round - 2)
         slots[self.rank].copy_(chunk)
-        self.ops.shm_mark(self.region, self.rank, ARRIVED, self.round)
-        self._wait(ARRIVED, self.round)
+        self.ops.shm_arrive(self.region, self.rank, self.round, tag)
+        self._wait(tag)
         chunk.copy_(slots[0])
         for slot in slots[1:]:
             chunk.add_(slot)
-        self.ops.shm_mark(self.region, self.rank, DEPARTED, self.round)
 
-    def _wait(self, counter: int, round_: int) -> None:
-        if round_ <= 0:
-            return
+    def _wait(self, tag: int) -> None:
         deadline = time.monotonic() + self.timeout
-        while not self.ops.shm_wait(self.region, self.world_size, counter, round_, POLL_SECONDS, self.spin_us):
+        while (done := self.ops.shm_wait(self.region, self.world_size, self.round, tag, POLL_SECONDS,
+                                         self.spin_us)) == 0:
             if self.health_check is not None:
                 self.health_check()
             if time.monotonic() > deadline:
-                behind = [r for r in range(self.world_size) if self._counter(r, counter) < round_]
+                header = self.region[:HEADER_BYTES].view(torch.int64)
+                behind = [r for r in range(self.world_size) if int(header[r * LINE_BYTES // 8]) < self.round]
                 raise CollectiveTimeout(f"a shared-memory all-reduce timed out after {self.timeout:g} s waiting "
-                                        f"for rank {', '.join(map(str, behind))} (round {round_})")
-
-    def _counter(self, rank: int, counter: int) -> int:
-        """A rank's counter as it reads now (for messages: no ordering needed)."""
-        offset = rank * 128 + counter * 64
-        return int(self.region[offset : offset + 8].view(torch.int64).item())
+                                        f"for rank {', '.join(map(str, behind))} (round {self.round})")
+        if done < 0:
+            raise CollectiveMismatch(f"rank {-1 - done} all-reduced a tensor of another size or dtype than rank "
+                                     f"{self.rank} ({tag >> 8} elements, dtype code {tag & 255}) in round "
+                                     f"{self.round}: the ranks' forwards differ")
 
     def close(self) -> None:
+        """Unmap the region (only once no all-reduce runs: a later one would read freed memory)."""
+        if self._map.closed:
+            return
         del self.slots, self.region
         self._map.close()

@@ -38,7 +38,12 @@ from pagedserve.common.contracts import ModelInput
 from pagedserve.common.engine_config import EngineConfig
 from pagedserve.common.errors import InvalidParameterError
 from pagedserve.engine.parallel_group import TorchParallelGroup
-from pagedserve.engine.shm_all_reduce import SPIN_MICROSECONDS, SharedMemoryAllReduce, create_region
+from pagedserve.engine.shm_all_reduce import (
+    CollectiveTimeout,
+    SharedMemoryAllReduce,
+    create_region,
+    spin_microseconds,
+)
 from pagedserve.kernels.cpu_attention import cpu_kernels
 
 logger = logging.getLogger(__name__)
@@ -61,9 +66,7 @@ class ShardInit(msgspec.Struct):
     rank: int  # this process's rank, 1..world_size-1
     host: str  # the TCPStore of rank 0
     port: int
-    shm_path: str = ""  # the shared-memory all-reduce's region to map; "": all-reduce over gloo
-
-
+    shm_fd: int = -1  # the shared-memory all-reduce's region, inherited; -1: all-reduce over gloo
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
@@ -126,27 +129,31 @@ class ShardRanks:
                                    timeout=datetime.timedelta(seconds=config.tensor_parallel_start_timeout))
         env = {**os.environ, "OMP_NUM_THREADS": str(cpu_threads_per_rank(config))}
         self.processes: list[subprocess.Popen] = []
-        self.shm_path = shm_region_for(config, device)
-        for rank in range(1, self.world_size):
-            process = subprocess.Popen([sys.executable, "-m", "pagedserve.engine.shard_runner"],
-                                       stdin=subprocess.PIPE, env=env)
-            self.processes.append(process)
-            init = ShardInit(config, str(model_dir), rank, "127.0.0.1", self.store.port, str(self.shm_path or ""))
-            assert process.stdin is not None
-            process.stdin.write(msgspec.json.encode(init) + b"\n")
-            process.stdin.flush()  # left open: its EOF tells the rank that rank 0 is gone
+        self.failed = False  # a step failed: close() sends no STOP and waits less
+        self.shm: SharedMemoryAllReduce | None = None
+        fd = shm_region_for(config, device)
         try:
-            shm = None
-            if self.shm_path is not None:
-                shm = SharedMemoryAllReduce(self.shm_path, 0, self.world_size, config.tensor_parallel_timeout,
-                                            self.check_alive, spin_us_for(config))
-            self.wait_for("started")  # every rank has mapped the region: its name can go
-            self._unlink_region()
+            for rank in range(1, self.world_size):
+                process = subprocess.Popen([sys.executable, "-m", "pagedserve.engine.shard_runner"],
+                                           stdin=subprocess.PIPE, env=env, pass_fds=() if fd is None else (fd,))
+                self.processes.append(process)
+                init = ShardInit(config, str(model_dir), rank, "127.0.0.1", self.store.port, -1 if fd is None else fd)
+                assert process.stdin is not None
+                process.stdin.write(msgspec.json.encode(init) + b"\n")
+                process.stdin.flush()  # left open: its EOF tells the rank that rank 0 is gone
+            if fd is not None:
+                self.shm = SharedMemoryAllReduce(fd, 0, self.world_size, config.tensor_parallel_timeout,
+                                                 self.check_alive,
+                                                 spin_microseconds(cpu_threads_per_rank(config), self.world_size))
+            self.wait_for("started")
             self.group = TorchParallelGroup(self.store, 0, self.world_size, device, config.tensor_parallel_timeout,
-                                            config.tensor_parallel_start_timeout, shm)
+                                            config.tensor_parallel_start_timeout, self.shm)
         except BaseException:
             self.close()
             raise
+        finally:
+            if fd is not None:
+                os.close(fd)  # the mappings and the ranks hold their own
         self.broadcast_seconds = 0.0  # in `send_step`, since it was last reset
         logger.info("tensor parallelism: %d ranks over %s (rank pids %s)", self.world_size, self.group.backend,
                     [p.pid for p in self.processes])
@@ -156,10 +163,6 @@ class ShardRanks:
         for rank, process in enumerate(self.processes, start=1):
             if (code := process.poll()) is not None:
                 raise RankFailure(f"tensor-parallel rank {rank} (pid {process.pid}) exited with code {code}")
-
-    def _unlink_region(self) -> None:
-        if self.shm_path is not None:
-            self.shm_path.unlink(missing_ok=True)
 
     def wait_for(self, stage: str) -> None:
         """Wait until every rank set `stage/{rank}` in the store; a rank that exits first, or
@@ -196,26 +199,33 @@ class ShardRanks:
         self.broadcast_seconds += time.perf_counter() - started
 
     def failure(self, exc: BaseException) -> RankFailure:
-        """What went wrong with the ranks, naming a rank that exited, for a failed collective
-        (a dead rank's sockets close a moment before its exit shows: give it a second)."""
+        """What went wrong with the ranks after a step failed (they are out of step now),
+        naming a rank that exited: a dead rank's sockets close a moment before its exit shows,
+        so a gloo error gets a second for it."""
+        self.failed = True
         if isinstance(exc, RankFailure):
             return exc
-        deadline = time.monotonic() + 1.0
+        deadline = time.monotonic() + (0.0 if isinstance(exc, CollectiveTimeout) else 1.0)
         while True:
             try:
                 self.check_alive()
             except RankFailure as failure:
                 return failure
-            if time.monotonic() > deadline:
+            if time.monotonic() >= deadline:
                 break
             time.sleep(0.02)
-        return RankFailure(f"a tensor-parallel step failed, leaving the ranks out of step (a collective failed "
-                           f"or timed out after {self.group.timeout.total_seconds():g} s: a rank hung?): {exc}")
+        if isinstance(exc, RuntimeError):  # gloo's errors (plain or DistError) and the shared memory's
+            return RankFailure(f"a tensor-parallel collective failed or timed out after "
+                               f"{self.group.timeout.total_seconds():g} s (a rank hung?), leaving the ranks "
+                               f"out of step: {exc}")
+        return RankFailure(f"rank 0's part of a tensor-parallel step failed, leaving the ranks out of step: "
+                           f"{type(exc).__name__}: {exc}")
 
     def close(self) -> None:
-        """Stop every rank: a STOP message when they listen, then their stdin closes, then,
-        after 3 s, a kill; none is left behind."""
-        if hasattr(self, "group"):
+        """Stop every rank: a STOP message when they listen (not after a failed step), then
+        their stdin closes, then, after 3 s (0.5 s after a failure), a kill; none is left
+        behind. Then this rank's mapping of the shared memory goes."""
+        if hasattr(self, "group") and not self.failed:
             try:
                 header = torch.zeros(StepMessage.HEADER, dtype=torch.int64)  # STOP
                 self.group.broadcast(header, datetime.timedelta(seconds=1))
@@ -224,7 +234,7 @@ class ShardRanks:
         for process in self.processes:
             if process.stdin is not None and not process.stdin.closed:
                 process.stdin.close()
-        deadline = time.monotonic() + 3
+        deadline = time.monotonic() + (0.5 if self.failed else 3.0)
         for process in self.processes:
             try:
                 process.wait(max(0.0, deadline - time.monotonic()))
@@ -232,12 +242,14 @@ class ShardRanks:
                 process.kill()
                 process.wait()
         self.processes = []
-        self._unlink_region()
+        if self.shm is not None:
+            self.shm.close()
 
 
-def shm_region_for(config: EngineConfig, device: torch.device) -> Path | None:
-    """A new shared-memory region for the ranks' all-reduce, or None where they use gloo (or
-    NCCL): on CUDA, with `--tensor-parallel-all-reduce gloo`, or (auto) without the CPU kernels."""
+def shm_region_for(config: EngineConfig, device: torch.device) -> int | None:
+    """A new shared-memory region (its file descriptor) for the ranks' all-reduce, or None
+    where they use gloo (or NCCL): on CUDA, with `--tensor-parallel-all-reduce gloo`, or
+    (auto) without the CPU kernels."""
     choice = config.tensor_parallel_all_reduce
     if device.type != "cpu" or choice == "gloo":
         return None
@@ -249,9 +261,3 @@ def shm_region_for(config: EngineConfig, device: torch.device) -> Path | None:
         return None
     return create_region(config.tensor_parallel_size)
 
-
-def spin_us_for(config: EngineConfig) -> float:
-    """How long a shared-memory wait spins: not at all where the ranks' threads outnumber
-    the cores (a spinning rank would take the core of the rank it waits for)."""
-    threads = cpu_threads_per_rank(config) * config.tensor_parallel_size
-    return SPIN_MICROSECONDS if threads <= (os.cpu_count() or 1) else 0.0

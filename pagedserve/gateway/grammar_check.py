@@ -59,6 +59,11 @@ class GrammarChecker:
         if isinstance(entry, Future):
             try:
                 result = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(entry)), self.compile_timeout)
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if not entry.cancelled() or (task is not None and task.cancelling()):
+                    raise  # this request was cancelled, not the compile
+                return await self.check(spec, param)  # `close` cancelled the queued compile: again
             except asyncio.TimeoutError:
                 result = (f"compiling the {spec.kind} spec took longer than {self.compile_timeout:g} s "
                           "(--structured-output-compile-timeout)")
