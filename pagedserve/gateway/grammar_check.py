@@ -60,8 +60,8 @@ class GrammarChecker:
             try:
                 result = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(entry)), self.compile_timeout)
             except asyncio.CancelledError:
-                task = asyncio.current_task()
-                if not entry.cancelled() or (task is not None and task.cancelling()):
+                cancelling = getattr(asyncio.current_task(), "cancelling", None)  # Python 3.11+
+                if not entry.cancelled() or (cancelling is not None and cancelling()):
                     raise  # this request was cancelled, not the compile
                 return await self.check(spec, param)  # `close` cancelled the queued compile: again
             except asyncio.TimeoutError:
