@@ -33,12 +33,12 @@ import torch.distributed as dist
 SHAPES = [(1, 576), (64, 576), (1, 4096), (512, 576)]
 
 
-def collective_child(rank: int, port: int, region: str, rounds: int, calls: int) -> list[str]:
+def collective_child(rank: int, port: int, region: int, rounds: int, calls: int) -> list[str]:
     from pagedserve.engine.parallel_group import TorchParallelGroup
     from pagedserve.engine.shm_all_reduce import SharedMemoryAllReduce
 
     torch.set_num_threads(1)
-    shm = SharedMemoryAllReduce(Path(region), rank, 2, timeout=30)
+    shm = SharedMemoryAllReduce(region, rank, 2, timeout=30)
     store = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=datetime.timedelta(seconds=60))
     group = TorchParallelGroup(store, rank, 2, torch.device("cpu"), 30, 60, shm)
     return _time_collectives(group, rounds, calls)
@@ -72,7 +72,7 @@ def bench_collectives(rounds: int, calls: int) -> None:
     store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=60))
     child = subprocess.Popen([sys.executable, __file__, "--child", str(store.port), str(region),
-                              str(rounds), str(calls)], env={**os.environ, "OMP_NUM_THREADS": "1"})
+                              str(rounds), str(calls)], env={**os.environ, "OMP_NUM_THREADS": "1"}, pass_fds=(region,))
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -81,7 +81,7 @@ def bench_collectives(rounds: int, calls: int) -> None:
         lines = _time_collectives(group, rounds, calls)
     finally:
         child.wait(60)
-        region.unlink(missing_ok=True)
+        os.close(region)
         torch.set_num_threads(threads)
     print(f"all-reduce, 2 ranks, float32, mean of {calls} calls, median of {rounds} rounds:")
     print(f"{'shape':>12} {'shared mem':>13} {'gloo':>13} {'gloo/shm':>8}")
@@ -135,7 +135,7 @@ def bench_steps(model: Path, batches: list[int], rounds: int, prompt: int, steps
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         port, region, rounds, calls = sys.argv[2:6]
-        collective_child(1, int(port), region, int(rounds), int(calls))
+        collective_child(1, int(port), int(region), int(rounds), int(calls))
         return 0
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
