@@ -26,6 +26,7 @@ from pagedserve.common.contracts import (
 )
 from pagedserve.common.engine_config import EngineConfig
 from pagedserve.common.errors import InvalidParameterError
+from pagedserve.engine.calibration import CalibrationRequest
 from pagedserve.engine.decode_graphs import DecodeGraphs, GraphCaptureError
 from pagedserve.engine.device import resolve_device, resolve_dtype
 from pagedserve.engine.grammar_manager import StructuredOutputManager
@@ -77,7 +78,8 @@ class ModelRunner:
         """The model, the KV cache and the decode fast path (this rank's shards under TP)."""
         parallel = self.ranks.group if self.ranks is not None else None
         self.model = load_model(model_dir, hf_config, self.dtype, self.device, self.kernels, config.load_format,
-                                config.quantization, config.quantize_lm_head, parallel, config.int8_kernel)
+                                config.quantization, config.quantize_lm_head, parallel, config.int8_kernel,
+                                CalibrationRequest.of(config))
         self.vocab_size: int = hf_config.vocab_size
         self.block_size = config.block_size
 

@@ -56,7 +56,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.common.contracts import QuantizationPlugin, QuantizationReport
+from pagedserve.common.contracts import Calibration, QuantizationPlugin, QuantizationReport
+from pagedserve.plugins.int4_gptq import GPTQ_SEARCH, gptq_passes, gptq_quantize
 from pagedserve.plugins.int4_group_fit import (  # noqa: F401 - the search's candidates, re-exported
     ASYMMETRIC_RATIOS,
     SYMMETRIC_CANDIDATES,
@@ -201,23 +202,31 @@ def _bytes(module: nn.Module) -> int:
 
 
 class Int4Quantization(QuantizationPlugin):
-    """The built-in `int4` method: group 32, symmetric (entry point `pagedserve.quantization: int4`)."""
+    """The built-in `int4` method: group 32, symmetric (entry point `pagedserve.quantization: int4`).
+    With a `gptq` calibration each layer's codes are fitted by GPTQ (int4_gptq.py) to its inputs,
+    a few layers a pass (`gptq_passes`), each pass run with the layers before it already int4."""
 
     name = "int4"
     group_size = 32
     symmetric = True
+    calibration_methods = ("gptq",)
 
-    def quantize(self, model: Any, *, quantize_lm_head: bool = False) -> QuantizationReport:
+    def quantize(self, model: Any, *, quantize_lm_head: bool = False,
+                 calibration: Calibration | None = None) -> QuantizationReport:
         targets = [(name, module) for name, module in model.named_modules()
                    if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] != "lm_head"]
-        float_bytes = quantized_bytes = 0
-        for name, linear in targets:
-            float_bytes += linear.weight.numel() * linear.weight.element_size()
-            new = Int4Linear.from_linear(linear, self.group_size, self.symmetric)
-            quantized_bytes += new.quantized_bytes()
-            parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, child, new)
-        lm_head = False
+        float_bytes = sum(linear.weight.numel() * linear.weight.element_size() for _, linear in targets)
+        quantized_bytes = 0
+        for chunk in gptq_passes(targets) if calibration is not None else [targets]:
+            inputs = calibration.layer_inputs(dict(chunk)) if calibration is not None else {}
+            for name, linear in chunk:
+                hessian = inputs[name].hessian if name in inputs else None
+                new = Int4Linear(_quantized_on(linear.weight, self.group_size, self.symmetric, hessian),
+                                 linear.bias, linear.weight.dtype)
+                quantized_bytes += new.quantized_bytes()
+                parent, _, child = name.rpartition(".")
+                setattr(model.get_submodule(parent) if parent else model, child, new)
+        lm_head = False  # the LM head is fitted data-free (the scale search), calibrated or not
         if quantize_lm_head and hasattr(model, "lm_head"):
             head = model.lm_head
             if isinstance(head, nn.Linear):
@@ -231,11 +240,16 @@ class Int4Quantization(QuantizationPlugin):
                 quantized_bytes += model.lm_head.quantized_bytes()
                 lm_head = True
         return QuantizationReport(method=self.name, num_linear=len(targets), float_bytes=float_bytes,
-                                  quantized_bytes=quantized_bytes, model_bytes=_bytes(model), lm_head=lm_head)
+                                  quantized_bytes=quantized_bytes, model_bytes=_bytes(model), lm_head=lm_head,
+                                  calibration=calibration.method if calibration is not None else "none")
 
 
-def _quantized_on(weight: torch.Tensor, group_size: int, symmetric: bool) -> Int4Weights:
-    """`quantize`, its tensors on the weight's device."""
+def _quantized_on(weight: torch.Tensor, group_size: int, symmetric: bool, hessian: torch.Tensor | None = None
+                  ) -> Int4Weights:
+    """`quantize` (with `hessian`, its inputs' Σ xᵀx: GPTQ), its tensors on the weight's device."""
+    if hessian is not None:
+        codes, scales, zeros = gptq_quantize(weight, hessian, group_size, symmetric, GPTQ_SEARCH)
+        return Int4Weights(pack_codes(codes), scales, None if symmetric else zeros, group_size, weight.shape[1])
     w = quantize(weight, group_size, symmetric)
     d = weight.device
     return Int4Weights(w.qweight.to(d), w.scales.to(d), None if w.zeros is None else w.zeros.to(d),
