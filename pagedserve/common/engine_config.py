@@ -26,7 +26,7 @@ CPU_TOKENS_PER_THREAD = 1024
 INT8_KERNELS = ("auto", "flags", "avx512vnni", "avxvnni", "avx2", "float")
 
 #: --quantization-calibration choices (which a method implements: its `calibration_methods`)
-QUANTIZATION_CALIBRATIONS = ("none", "gptq")
+QUANTIZATION_CALIBRATIONS = ("none", "gptq", "imatrix")
 
 #: --kv-cache-dtype choices (auto: the model's dtype); fp8_e4m3 only on a CUDA device
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
@@ -108,9 +108,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     #: weight-only int8, one scale per output channel); None: the checkpoint's float weights
     quantization: str | None = None
     quantize_lm_head: bool = False  # with `quantization`: the LM head too (the embedding lookup stays float)
-    #: with `quantization`: fit the weights to calibration activations at load. none: data-free;
-    #: gptq (the int4 methods): GPTQ per linear layer from a forward over the calibration tokens
-    #: (engine/calibration.py), which costs load time (docs/performance.md)
+    #: with `quantization`: fit the weights to calibration activations at load (the int4 methods;
+    #: engine/calibration.py), at the cost of forwards over the calibration tokens (docs/performance.md).
+    #: none: data-free; imatrix: each group's scale search weighs each input's error by its Σ x²
+    #: over the tokens (llama.cpp's importance matrix, one pass); gptq: GPTQ per linear layer
+    #: (plugins/int4_gptq.py, a pass per few layers)
     quantization_calibration: str = "none"
     quantization_calibration_tokens: int = 4096  # the calibration text's first N tokens
     #: a UTF-8 text file to calibrate on; None: engine/data/calibration.txt (not the text of the

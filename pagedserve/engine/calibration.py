@@ -94,16 +94,20 @@ class TokenCalibration(Calibration):
         self._spec = KVCacheSpec.for_model(hf_config, dtype)
 
     @torch.inference_mode()
-    def layer_inputs(self, modules: Mapping[str, Any]) -> dict[str, LayerInputs]:
+    def layer_inputs(self, modules: Mapping[str, Any], full: bool = True) -> dict[str, LayerInputs]:
         sums = {name: torch.zeros(m.in_features, m.in_features, dtype=torch.float32, device=self._device)
-                for name, m in modules.items()}
+                for name, m in modules.items()} if full else {}
+        squares = {name: torch.zeros(m.in_features, dtype=torch.float32, device=self._device)
+                   for name, m in modules.items()}
 
         waiting: set[str] = set()  # the modules whose input this window has not reached yet
 
         def recorder(name: str):
             def hook(module, args):
                 x = args[0].reshape(-1, args[0].shape[-1]).float()
-                sums[name].addmm_(x.T, x)
+                squares[name].add_((x * x).sum(dim=0))
+                if full:
+                    sums[name].addmm_(x.T, x)
                 waiting.discard(name)
                 if not waiting:
                     raise _Recorded  # the rest of the forward would record nothing
@@ -120,7 +124,7 @@ class TokenCalibration(Calibration):
             for hook in hooks:
                 hook.remove()
         self.passes += 1
-        return {name: LayerInputs(total, self.num_tokens) for name, total in sums.items()}
+        return {name: LayerInputs(sums.get(name), squares[name], self.num_tokens) for name in modules}
 
     def _forward(self, ids: list[int], pool: KVCachePool) -> None:
         """One window as a fresh sequence: blocks 0.., positions 0.., no logits."""

@@ -96,7 +96,7 @@ def _column_threads(device: torch.device) -> Iterator[None]:
 
 @torch.no_grad()
 def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, symmetric: bool,
-                  search: bool = True, damp: float = DAMP
+                  search: bool = True, damp: float = DAMP, weighted_fit: bool = False
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(codes uint8 [out, padded_in], scales [out, groups], zero points uint8 [out, groups]) of
     a float weight [out, in] from its inputs' Hessian [in, in] (Σ xᵀx), the inputs padded with
@@ -113,6 +113,7 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, 
     dead = h.diagonal() == 0  # the padding, and inputs no calibration row reached
     h[dead, dead] = 1.0
     W[:, dead] = 0.0
+    importance = h.diagonal().to(w.dtype).reshape(1, padded // group_size, group_size) if weighted_fit else None
     U = _upper_inverse_factor(h, damp).to(w.dtype)
     fit = fit_symmetric if symmetric else fit_asymmetric
     codes = torch.empty(out, padded, dtype=torch.uint8, device=w.device)
@@ -126,9 +127,10 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, 
             errors = torch.empty_like(Wb)
             Ub = U[b0:b1, b0:b1]
             for g0 in range(0, b1 - b0, group_size):
-                _, scale, zero = fit(Wb[:, None, g0 : g0 + group_size], search)
-                s, z = scale[:, 0], zero[:, 0].float()
                 group = (b0 + g0) // group_size
+                weights = None if importance is None else importance[:, group : group + 1]
+                _, scale, zero = fit(Wb[:, None, g0 : g0 + group_size], search, weights)
+                s, z = scale[:, 0], zero[:, 0].float()
                 scales[:, group], zeros[:, group] = s, zero[:, 0]
                 for j in range(g0, g0 + group_size):
                     q = torch.round(Wb[:, j] / s).add_(z).clamp_(0, 15)

@@ -1,6 +1,6 @@
-"""`--quantization-calibration gptq` on a tiny model: the calibration passes record each
-layer's real inputs (checked against transformers' own forward of the same checkpoint), every
-layer is fitted by GPTQ to them, and bad options are refused naming their field."""
+"""`--quantization-calibration gptq|imatrix` on a tiny model: the calibration passes record
+each layer's real inputs (checked against transformers' own forward of the same checkpoint),
+every layer is fitted to them, and bad options are refused naming their field."""
 
 from __future__ import annotations
 
@@ -58,8 +58,11 @@ def test_calibration_passes_record_the_layers_real_inputs(tiny):
     first, last = model.layers[0].self_attn.qkv_proj, model.layers[1].mlp.down_proj
     both = calibration.layer_inputs({"first": first, "last": last})
     alone = calibration.layer_inputs({"first": first})  # this pass stops after layer 0's qkv_proj
-    assert calibration.passes == 2 and both["first"].num_rows == TOKENS
+    diagonal = calibration.layer_inputs({"first": first}, full=False)
+    assert calibration.passes == 3 and both["first"].num_rows == TOKENS
     assert torch.equal(both["first"].hessian, alone["first"].hessian)
+    assert diagonal["first"].hessian is None and torch.equal(diagonal["first"].squares, both["first"].squares)
+    assert torch.allclose(both["first"].squares, both["first"].hessian.diagonal(), rtol=1e-5)
     for name, hf_name in (("first", "model.layers.0.self_attn.q_proj"), ("last", "model.layers.1.mlp.down_proj")):
         want = _transformers_inputs(tiny, tokens, 512, hf_name)
         got = both[name].hessian.double()
@@ -85,8 +88,28 @@ def test_gptq_fits_every_layer_to_its_inputs(tiny, caplog):
     assert error < 0.8 * data_free
 
 
+def test_imatrix_weighs_the_scale_search_by_each_inputs_squares(tiny):
+    engine = _engine(tiny)
+    float_model, runner = engine.runner.model, engine.runner
+    tokens, source = calibration_tokens(tiny, CalibrationRequest("imatrix", TOKENS, None))
+    names = {f"{i}.{n}": m for i, layer in enumerate(float_model.layers)
+             for n, m in (("qkv", layer.self_attn.qkv_proj), ("down", layer.mlp.down_proj))}
+    weights = {name: m.weight.detach().clone() for name, m in names.items()}
+    inputs = TokenCalibration("imatrix", float_model, tokens, source, engine.hf_config, runner.kernels,
+                              runner.device, runner.dtype).layer_inputs(names, full=False)
+    model = _engine(tiny, quantization="int4_g128_asym", quantization_calibration="imatrix",
+                    quantization_calibration_tokens=TOKENS).runner.model
+    for name, weight in weights.items():
+        i, kind = name.split(".")
+        got = model.layers[int(i)].self_attn.qkv_proj if kind == "qkv" else model.layers[int(i)].mlp.down_proj
+        want = quantize(weight, 128, symmetric=False, importance=inputs[name].squares)
+        assert torch.equal(got.qweight, want.qweight) and torch.equal(got.scales, want.scales), name
+        assert torch.equal(got.zeros, want.zeros) and not torch.equal(want.qweight, quantize(weight, 128, False).qweight)
+
+
 @pytest.mark.parametrize(("options", "field", "message"), [
-    ({"quantization": "int4", "quantization_calibration": "awq"}, "quantization_calibration", "must be none, gptq"),
+    ({"quantization": "int4", "quantization_calibration": "awq"}, "quantization_calibration",
+     "must be none, gptq, imatrix"),
     ({"quantization_calibration": "gptq"}, "quantization_calibration", "give --quantization too"),
     ({"quantization": "int4", "quantization_calibration": "gptq", "load_format": "dummy"},
      "quantization_calibration", "not dummy ones"),
@@ -99,7 +122,7 @@ def test_bad_options_are_refused_before_loading(options, field, message):
 
 @pytest.mark.parametrize(("options", "field", "message"), [
     ({"quantization": "int8", "quantization_calibration": "gptq"}, "quantization_calibration",
-     "the int8 method does not calibrate with 'gptq'; it takes: none"),
+     "the int8 method does not calibrate with 'gptq'; it takes: none$"),
     ({"quantization": "int4", "quantization_calibration": "gptq", "quantization_calibration_tokens": 10**7},
      "quantization_calibration_tokens", "10000000 calibration tokens asked for, but calibration.txt has"),
     ({"quantization": "int4", "quantization_calibration": "gptq", "quantization_calibration_text": "/nonexistent.txt"},

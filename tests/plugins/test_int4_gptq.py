@@ -1,5 +1,6 @@
-"""GPTQ (plugins/int4_gptq.py) against the paper's algorithm written plainly in float64, and
-against round-to-nearest on the calibration inputs it was fitted to."""
+"""The calibrated int4 fits: GPTQ (plugins/int4_gptq.py) against the paper's algorithm written
+plainly in float64 and against round-to-nearest on the calibration inputs it was fitted to;
+the importance-weighted scale search (`imatrix`) against the plain one."""
 
 from __future__ import annotations
 
@@ -110,3 +111,20 @@ def test_passes_hold_at_most_the_budget_of_hessians(monkeypatch):
     targets = [(f"l{i}", torch.nn.Linear(k, 8)) for i, k in enumerate([64, 64, 64, 64, 128, 64])]
     names = [[name for name, _ in p] for p in gptq_passes(targets)]
     assert names == [["l0", "l1", "l2"], ["l3"], ["l4"], ["l5"]]  # l4 alone is over the budget
+
+
+@pytest.mark.parametrize(("group_size", "symmetric"), CASES)
+def test_importance_weighted_search_never_does_worse_on_its_weights(group_size, symmetric):
+    weight, x = _layer()
+    importance = (x * x).sum(dim=0)
+    ones = quantize(weight, group_size, symmetric, importance=torch.ones(weight.shape[1]))
+    plain = quantize(weight, group_size, symmetric)
+    assert torch.equal(ones.qweight, plain.qweight) and torch.allclose(ones.scales, plain.scales, rtol=1e-6, atol=0)
+
+    def weighted_error(q: Int4Weights) -> float:
+        return float((((dequantize(q) - weight) ** 2) * importance).sum())
+
+    weighted = quantize(weight, group_size, symmetric, importance=importance)
+    # the same candidate roundings, each with its weighted least-squares scale: never worse
+    assert weighted_error(weighted) <= weighted_error(plain)
+    assert weighted_error(weighted) <= weighted_error(quantize(weight, group_size, symmetric, search=False))

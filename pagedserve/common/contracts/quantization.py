@@ -45,26 +45,30 @@ class QuantizationReport:
 class LayerInputs:
     """What the calibration tokens fed one linear layer y = x·Wᵀ + b."""
 
-    #: torch.Tensor float32 [in, in] on the layer's device: Σ xᵀx over every input row x
-    #: (one row a calibration token), the Hessian of GPTQ's squared output error up to a factor 2
+    #: torch.Tensor float32 [in, in] on the layer's device: Σ xᵀx over every input row x (one
+    #: row a calibration token), GPTQ's Hessian up to a factor 2; None from a pass that was
+    #: asked for the diagonal only
     hessian: Any
-    num_rows: int  # rows summed into `hessian`: the calibration tokens
+    squares: Any  # torch.Tensor float32 [in]: Σ x² per input, the diagonal (an importance matrix's)
+    num_rows: int  # rows summed: the calibration tokens
 
 
 class Calibration(ABC):
     """Calibration tokens, and a forward over them, offered by the engine to `quantize`."""
 
-    method: str  # the calibration asked for (EngineConfig.quantization_calibration: "gptq")
+    method: str  # the calibration asked for (EngineConfig.quantization_calibration: "gptq", "imatrix")
     num_tokens: int  # calibration tokens one pass runs
     source: str  # where the tokens come from (a file and the part of it), for logs
 
     @abstractmethod
-    def layer_inputs(self, modules: Mapping[str, Any]) -> dict[str, LayerInputs]:
+    def layer_inputs(self, modules: Mapping[str, Any], full: bool = True) -> dict[str, LayerInputs]:
         """One pass of the model, as it is now, over the calibration tokens (prefill, no
         logits), recording the inputs of `modules` (a name of the caller's choosing → a
         linear module of the model, with `in_features`): their `LayerInputs` by the same
-        names. Each pass costs one forward over `num_tokens` tokens and holds one [in, in]
-        float32 sum per module, so a method may ask for a few modules at a time."""
+        names, with the whole [in, in] sum only when `full`. Each pass costs one forward over
+        `num_tokens` tokens (less when the modules asked for are all early in the model) and,
+        when `full`, holds one [in, in] float32 sum per module, so a method may ask for a few
+        modules at a time."""
 
 
 class QuantizationPlugin(ABC):
