@@ -62,7 +62,7 @@ from pagedserve.common.contracts import (
     QuantizationPlugin,
     QuantizationReport,
 )
-from pagedserve.plugins.int4_gptq import GPTQ_SEARCH, gptq_passes, gptq_quantize
+from pagedserve.plugins.int4_gptq import GPTQ_SEARCH, GPTQ_WEIGHTED_FIT, gptq_passes, gptq_quantize
 from pagedserve.plugins.int4_group_fit import (  # noqa: F401 - the search's candidates, re-exported
     ASYMMETRIC_RATIOS,
     SYMMETRIC_CANDIDATES,
@@ -260,7 +260,8 @@ def _quantized_on(weight: torch.Tensor, group_size: int, symmetric: bool, inputs
     """`quantize`, its tensors on the weight's device; with calibration `inputs`: GPTQ from their
     Hessian, or (a diagonal only: `imatrix`) the scale search weighing each input by its Σ x²."""
     if inputs is not None and inputs.hessian is not None:
-        codes, scales, zeros = gptq_quantize(weight, inputs.hessian, group_size, symmetric, GPTQ_SEARCH)
+        codes, scales, zeros = gptq_quantize(weight, inputs.hessian, group_size, symmetric, GPTQ_SEARCH,
+                                             weighted_fit=GPTQ_WEIGHTED_FIT)
         return Int4Weights(pack_codes(codes), scales, None if symmetric else zeros, group_size, weight.shape[1])
     w = quantize(weight, group_size, symmetric, importance=None if inputs is None else inputs.squares)
     d = weight.device

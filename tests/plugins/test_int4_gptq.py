@@ -24,7 +24,8 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
-def reference_gptq(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, symmetric: bool, search: bool):
+def reference_gptq(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, symmetric: bool, search: bool,
+                   weighted: bool = False):
     """GPTQ as the paper states it, one column at a time with no Cholesky factor and no lazy
     batches: quantize column j, then move the columns F = j.. by the Optimal Brain Surgeon
     update -(w_j - q_j) / [H_F⁻¹]_jj · [H_F⁻¹]_j,:, with H_F⁻¹ inverted afresh each column."""
@@ -36,6 +37,7 @@ def reference_gptq(weight: torch.Tensor, hessian: torch.Tensor, group_size: int,
     dead = H.diagonal() == 0
     H[dead, dead] = 1.0
     W[:, dead] = 0.0
+    importance = H.diagonal().clone().reshape(1, -1, group_size) if weighted else None  # before dampening
     H += DAMP * H.diagonal().mean() * torch.eye(padded, dtype=torch.float64)
     fit = fit_symmetric if symmetric else fit_asymmetric
     codes = torch.zeros(out, padded, dtype=torch.uint8)
@@ -43,7 +45,8 @@ def reference_gptq(weight: torch.Tensor, hessian: torch.Tensor, group_size: int,
     zeros = torch.zeros(out, padded // group_size, dtype=torch.uint8)
     for j in range(padded):
         if j % group_size == 0:
-            _, scale, zero = fit(W[:, None, j : j + group_size], search)
+            weights = None if importance is None else importance[:, j // group_size : j // group_size + 1]
+            _, scale, zero = fit(W[:, None, j : j + group_size], search, weights)
             s, z = scale[:, 0], zero[:, 0].double()
             scales[:, j // group_size], zeros[:, j // group_size] = s, zero[:, 0]
         q = torch.clamp(torch.round(W[:, j] / s) + z, 0, 15)
@@ -64,15 +67,15 @@ def _layer(out: int = 24, k: int = 200, rows: int = 400, seed: int = 0):
 
 
 @pytest.mark.parametrize(("group_size", "symmetric"), CASES)
-@pytest.mark.parametrize("search", [False, True])
-def test_gptq_matches_the_papers_algorithm_in_float64(group_size, symmetric, search, monkeypatch):
+@pytest.mark.parametrize(("search", "weighted"), [(False, False), (True, False), (True, True)])
+def test_gptq_matches_the_papers_algorithm_in_float64(group_size, symmetric, search, weighted, monkeypatch):
     from pagedserve.plugins import int4_gptq
 
     monkeypatch.setattr(int4_gptq, "BLOCK_COLUMNS", 32)  # several lazy batches at group 32
     weight, x = _layer(out=8, k=72, rows=160)  # 72 inputs: padded to 96 and to 128
     hessian = x.double().T @ x.double()
-    codes, scales, zeros = gptq_quantize(weight.double(), hessian, group_size, symmetric, search)
-    want_codes, want_scales, want_zeros = reference_gptq(weight, hessian, group_size, symmetric, search)
+    codes, scales, zeros = gptq_quantize(weight.double(), hessian, group_size, symmetric, search, weighted_fit=weighted)
+    want_codes, want_scales, want_zeros = reference_gptq(weight, hessian, group_size, symmetric, search, weighted)
     assert torch.equal(codes, want_codes)
     assert torch.allclose(scales, want_scales, rtol=1e-9, atol=0)
     assert torch.equal(zeros, want_zeros)
