@@ -1,4 +1,4 @@
-"""The engine's side of quantization calibration (`--quantization-calibration gptq`): the
+"""The engine's side of quantization calibration (`--quantization-calibration imatrix|gptq`): the
 calibration tokens, and the passes of the model over them that a quantization method asks for
 (`Calibration.layer_inputs`, common/contracts/quantization.py).
 
@@ -17,7 +17,6 @@ is called), so a pass over the first layers costs only their share of a forward.
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib.resources import files
@@ -32,8 +31,6 @@ from pagedserve.common.errors import InvalidParameterError
 from pagedserve.engine.kv_cache_pool import KVCachePool, KVCacheSpec
 from pagedserve.engine.step_inputs import step_tensors
 
-logger = logging.getLogger(__name__)
-
 DEFAULT_TEXT = "calibration.txt"  # in pagedserve/engine/data/
 WINDOW = 1024  # tokens per calibration sequence (at most the model's max_position_embeddings)
 BLOCK_SIZE = 16  # the calibration KV cache's block size
@@ -43,7 +40,7 @@ BLOCK_SIZE = 16  # the calibration KV cache's block size
 class CalibrationRequest:
     """What EngineConfig asks for: `quantization_calibration` and its tokens' count and text."""
 
-    method: str  # "gptq"
+    method: str  # "imatrix" | "gptq"
     num_tokens: int
     text: str | None  # a UTF-8 file; None: DEFAULT_TEXT
 

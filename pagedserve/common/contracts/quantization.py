@@ -11,9 +11,9 @@ method: `weight` holds the quantized rows [out, in] and `weight_scale` one float
 output row (`weight[o, i] * weight_scale[o]` is the float weight), next to the usual
 `bias` (or None). `LlamaForCausalLM.decoder_weights` hands these on in `DecoderLayerWeights`.
 
-Calibration. A method that fits its weights to the activations they will see (GPTQ) names
-the calibrations it implements in `calibration_methods`; when `EngineConfig.
-quantization_calibration` asks for one of them, the engine hands `quantize` a `Calibration`:
+Calibration. A method that fits its weights to the activations they will see (GPTQ, an
+importance matrix) names the calibrations it implements in `calibration_methods`; when
+`EngineConfig.quantization_calibration` asks for one of them, the engine hands `quantize` a `Calibration`:
 a fixed set of calibration tokens that the method can run the model over (as it is at that
 moment: layers already quantized included) to get each linear layer's input statistics.
 """
