@@ -130,7 +130,9 @@ def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.dev
             tokens, source = calibration_tokens(model_dir, calibration)
             offered = TokenCalibration(calibration.method, model, tokens, source, hf_config, kernels, device, dtype)
         started = time.perf_counter()
-        report = method.quantize(model, quantize_lm_head=quantize_lm_head, calibration=offered)
+        # a method written before calibration (no `calibration` argument) is still called as it was
+        extra = {"calibration": offered} if offered is not None else {}
+        report = method.quantize(model, quantize_lm_head=quantize_lm_head, **extra)
         logger.info("%s: %d linear layers, %.1f MB of float weights now %.1f MB (LM head %s); model %.1f MB; "
                     "calibration %s; %.1f s", report.method, report.num_linear, report.float_bytes / 1e6,
                     report.quantized_bytes / 1e6, "quantized" if report.lm_head else "float",

@@ -131,3 +131,23 @@ def test_bad_options_are_refused_before_loading(options, field, message):
 def test_what_only_the_load_can_tell_is_refused_there(tiny, options, field, message):
     with pytest.raises(InvalidParameterError, match=f"^{field}: {message}"):
         _engine(tiny, **options)
+
+
+def test_a_method_written_before_calibration_still_loads(tiny, monkeypatch):
+    from pagedserve.common.contracts import QuantizationPlugin, QuantizationReport
+    from pagedserve.engine import model_loader
+
+    calls = []
+
+    class BeforeCalibration(QuantizationPlugin):
+        name = "before"
+
+        def quantize(self, model, *, quantize_lm_head=False):  # no `calibration` argument
+            calls.append(quantize_lm_head)
+            return QuantizationReport("before", 0, 0, 0, 0, False)
+
+    real = model_loader.load_plugin
+    monkeypatch.setattr(model_loader, "load_plugin",
+                        lambda group, name: BeforeCalibration if group == "quantization" else real(group, name))
+    _engine(tiny, quantization="int4")
+    assert calls == [False]
