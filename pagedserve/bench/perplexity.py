@@ -150,14 +150,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     config = options.build(EngineConfig, args)
 
+    started = time.perf_counter()
     engine = Engine(config)
+    loaded = time.perf_counter() - started
     text = default_text() if args.text is None else Path(args.text).read_text(encoding="utf-8")
     tokens = text_tokens(engine, text, args.max_tokens)
     started = time.perf_counter()
     result = perplexity(engine, tokens, args.context, args.stride, args.chunk)
     elapsed = time.perf_counter() - started
     changed = " ".join(options.to_flags(config)) or "(defaults)"
-    print(f"engine: {changed}")
+    print(f"engine: {changed}  (loaded in {loaded:.1f} s, quantization and its calibration included)")
     print(f"text: {args.text or DEFAULT_TEXT}, {result.num_tokens} tokens; context {args.context}, "
           f"stride {args.stride or args.context}, chunk {args.chunk}: {result.num_windows} windows")
     print(f"perplexity {result.value:.4f}  (NLL {result.nll:.2f} nats over {result.num_scored} tokens, "

@@ -27,6 +27,9 @@ INT8_KERNELS = ("auto", "flags", "avx512vnni", "avxvnni", "avx2", "float")
 #: how tensor-parallel ranks on the CPU all-reduce (`tensor_parallel_all_reduce`)
 TP_ALL_REDUCES = ("auto", "shm", "gloo")
 
+#: --quantization-calibration choices (which a method implements: its `calibration_methods`)
+QUANTIZATION_CALIBRATIONS = ("none", "gptq", "imatrix")
+
 #: --kv-cache-dtype choices (auto: the model's dtype); fp8_e4m3 only on a CUDA device
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
 
@@ -107,6 +110,16 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     #: weight-only int8, one scale per output channel); None: the checkpoint's float weights
     quantization: str | None = None
     quantize_lm_head: bool = False  # with `quantization`: the LM head too (the embedding lookup stays float)
+    #: with `quantization`: fit the weights to calibration activations at load (the int4 methods;
+    #: engine/calibration.py), at the cost of forwards over the calibration tokens (docs/performance.md).
+    #: none: data-free; imatrix: each group's scale search weighs each input's error by its Σ x²
+    #: over the tokens (llama.cpp's importance matrix, one pass); gptq: GPTQ per linear layer
+    #: (plugins/int4_gptq.py, a pass per few layers)
+    quantization_calibration: str = "none"
+    quantization_calibration_tokens: int = 4096  # the calibration text's first N tokens
+    #: a UTF-8 text file to calibrate on; None: engine/data/calibration.txt (not the text of the
+    #: perplexity benchmark's figures: engine/data/README.md)
+    quantization_calibration_text: str | None = None
     #: CPU, int8 weights: which kernel the int8 linear layers run. auto: each kernel the CPU can
     #: run is timed on the model's own layers at load and the fastest kept
     #: (kernels/int8_kernel_choice.py); flags: the best the CPU's flags allow, untimed; or a
@@ -245,6 +258,19 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                                         "with tensor_parallel_size > 1 yet")
         if self.int8_kernel not in INT8_KERNELS:
             raise InvalidParameterError("int8_kernel", f"must be {', '.join(INT8_KERNELS)}, got {self.int8_kernel!r}")
+        if self.quantization_calibration not in QUANTIZATION_CALIBRATIONS:
+            raise InvalidParameterError("quantization_calibration", f"must be {', '.join(QUANTIZATION_CALIBRATIONS)}, "
+                                        f"got {self.quantization_calibration!r}")
+        if self.quantization_calibration != "none":
+            if self.quantization is None:
+                raise InvalidParameterError("quantization_calibration", "calibrates a quantization method: "
+                                            "give --quantization too (e.g. int4)")
+            if self.tensor_parallel_size > 1:
+                raise InvalidParameterError("quantization_calibration", "does not run with tensor_parallel_size > 1 yet")
+            if self.load_format == "dummy":
+                raise InvalidParameterError("quantization_calibration", "needs the checkpoint's weights, not dummy ones")
+        if self.quantization_calibration_tokens < 1:
+            raise InvalidParameterError("quantization_calibration_tokens", "must be >= 1")
         if self.quantization is not None:
             methods = quantization_methods()
             if self.quantization not in methods:

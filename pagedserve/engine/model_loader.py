@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from safetensors import safe_open
 
 from pagedserve.common.contracts import Kernels, ParallelGroup, QuantizationPlugin
 from pagedserve.common.errors import InvalidParameterError
+from pagedserve.engine.calibration import CalibrationRequest, TokenCalibration, calibration_tokens
 from pagedserve.plugins import load_plugin
 from pagedserve.plugins.int4_checkpoint import (
     CheckpointFormat,
@@ -77,13 +79,14 @@ def _choose_int8_kernel(model: torch.nn.Module, asked: str) -> None:
 def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.device, kernels: Kernels,
                load_format: str = "auto", quantization: str | None = None,
                quantize_lm_head: bool = False, parallel: ParallelGroup | None = None,
-               int8_kernel: str = "auto") -> torch.nn.Module:
+               int8_kernel: str = "auto", calibration: CalibrationRequest | None = None) -> torch.nn.Module:
     """The `pagedserve.models` plugin named by config.json's `architectures`, with weights:
     the checkpoint's (`auto`), or seeded random ones (`dummy`: a config.json and a
     tokenizer are enough, to measure a model whose weights are not at hand). With
     `quantization`, the `pagedserve.quantization` plugin of that name then quantizes its
-    linear layers. With `parallel` (tensor parallelism) it holds this rank's shards. On CPU,
-    int8 weights then run the kernel `int8_kernel` picks (kernels/int8_kernel_choice.py)."""
+    linear layers, fitted to `calibration`'s tokens when given (engine/calibration.py). With
+    `parallel` (tensor parallelism) it holds this rank's shards. On CPU, int8 weights then run
+    the kernel `int8_kernel` picks (kernels/int8_kernel_choice.py)."""
     prequantized = checkpoint_format(hf_config, quantization) if load_format != "dummy" else None
     if prequantized is not None and parallel is not None:
         raise InvalidParameterError("tensor_parallel_size", f"a {prequantized.method} checkpoint loads on one rank only")
@@ -118,10 +121,24 @@ def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.dev
         elif kernels.ops.name == "triton":
             _register_triton_gemm(device)
         method: QuantizationPlugin = load_plugin("quantization", quantization)()
-        report = method.quantize(model, quantize_lm_head=quantize_lm_head)
-        logger.info("%s: %d linear layers, %.1f MB of float weights now %.1f MB (LM head %s); model %.1f MB",
-                    report.method, report.num_linear, report.float_bytes / 1e6, report.quantized_bytes / 1e6,
-                    "quantized" if report.lm_head else "float", report.model_bytes / 1e6)
+        offered = None
+        if calibration is not None:
+            if calibration.method not in method.calibration_methods:
+                raise InvalidParameterError("quantization_calibration", f"the {quantization} method does not "
+                                            f"calibrate with {calibration.method!r}; it takes: "
+                                            f"{', '.join(('none', *method.calibration_methods))}")
+            tokens, source = calibration_tokens(model_dir, calibration)
+            offered = TokenCalibration(calibration.method, model, tokens, source, hf_config, kernels, device, dtype)
+        started = time.perf_counter()
+        # a method written before calibration (no `calibration` argument) is still called as it was
+        extra = {"calibration": offered} if offered is not None else {}
+        report = method.quantize(model, quantize_lm_head=quantize_lm_head, **extra)
+        logger.info("%s: %d linear layers, %.1f MB of float weights now %.1f MB (LM head %s); model %.1f MB; "
+                    "calibration %s; %.1f s", report.method, report.num_linear, report.float_bytes / 1e6,
+                    report.quantized_bytes / 1e6, "quantized" if report.lm_head else "float",
+                    report.model_bytes / 1e6, report.calibration if offered is None else
+                    f"{report.calibration} on {offered.source} ({offered.passes} passes)",
+                    time.perf_counter() - started)
         if device.type == "cpu":
             _choose_int8_kernel(model, int8_kernel)
     if (quantization is not None or prequantized is not None) and device.type == "cuda":

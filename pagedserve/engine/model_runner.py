@@ -25,6 +25,7 @@ from pagedserve.common.contracts import (
 )
 from pagedserve.common.engine_config import EngineConfig
 from pagedserve.common.errors import InvalidParameterError
+from pagedserve.engine.calibration import CalibrationRequest
 from pagedserve.engine.decode_graphs import DecodeGraphs, GraphCaptureError
 from pagedserve.engine.device import resolve_device, resolve_dtype
 from pagedserve.engine.grammar_manager import StructuredOutputManager
@@ -76,7 +77,8 @@ class ModelRunner:
         """The model, the KV cache and the decode fast path (this rank's shards under TP)."""
         parallel = self.ranks.group if self.ranks is not None else None
         self.model = load_model(model_dir, hf_config, self.dtype, self.device, self.kernels, config.load_format,
-                                config.quantization, config.quantize_lm_head, parallel, config.int8_kernel)
+                                config.quantization, config.quantize_lm_head, parallel, config.int8_kernel,
+                                CalibrationRequest.of(config))
         self.vocab_size: int = hf_config.vocab_size
         self.block_size = config.block_size
 
@@ -103,8 +105,7 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         self.fused_decoder: FusedDecoder | None = None
         if self.ranks is not None:
-            logger.info("decode steps run eagerly: the fused CPU decode step and the CUDA graphs have no "
-                        "all-reduce between layers (tensor_parallel_size %d)", config.tensor_parallel_size)
+            logger.info("decode steps run eagerly: the fused CPU step and CUDA graphs have no all-reduce (TP)")
             return
         if self.device.type == "cuda" and self.attention_backend.name == "triton" and not config.enforce_eager:
             self.enable_decode_graphs(min(config.cuda_graph_max_batch, config.max_num_seqs), max_len)
@@ -147,9 +148,8 @@ class ModelRunner:
         return self.sample(hidden, model_input, scheduler_output.scheduled)
 
     def _run_ranks(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
-        """`run` as rank 0 of N (the others: engine/shard_runner.py). A failure in the step's
-        collectives (all-reduces, the LM head's gather; gloo raises plain RuntimeErrors) leaves
-        the ranks out of step: RankFailure, naming a rank that died."""
+        """`run` as rank 0 of N (the others: engine/shard_runner.py). Any failure in the step's
+        collectives leaves the ranks out of step: RankFailure, naming a rank that died."""
         assert self.ranks is not None
         model_input = self.prepare_inputs(scheduler_output.scheduled)
         self.ranks.send_step(model_input)

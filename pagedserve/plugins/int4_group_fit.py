@@ -20,19 +20,22 @@ SYMMETRIC_CANDIDATES = tuple(8.5 - 0.25 * i for i in range(15))  # 8.5, 8.25, ..
 ASYMMETRIC_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)
 
 
-def least_squares_scale(groups: torch.Tensor, levels: torch.Tensor, fallback: torch.Tensor
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """For integer levels L (q - z) of each group: the scale s minimising Σ (x - L·s)², and that
-    sum's reduction Σ x·L · s (larger is better: the error is Σ x² minus it); `fallback` where
-    every level is 0."""
-    sumlx = (groups * levels).sum(dim=2)
-    suml2 = (levels * levels).sum(dim=2)
+def least_squares_scale(groups: torch.Tensor, levels: torch.Tensor, fallback: torch.Tensor,
+                        importance: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """For integer levels L (q - z) of each group: the scale s minimising Σ a·(x - L·s)², and that
+    sum's reduction Σ a·x·L · s (larger is better: the error is Σ a·x² minus it); `fallback` where
+    every level is 0. a: `importance`, one weight per input broadcast over the groups (None: 1)."""
+    weighted = levels if importance is None else levels * importance
+    sumlx = (groups * weighted).sum(dim=2)
+    suml2 = (levels * weighted).sum(dim=2)
     scale = torch.where(suml2 > 0, sumlx / suml2.clamp(min=1e-30), fallback)
     return scale, sumlx * scale
 
 
-def fit_symmetric(groups: torch.Tensor, search: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(codes uint8, scales, zero points uint8) of groups [rows, n, g], zero point 8."""
+def fit_symmetric(groups: torch.Tensor, search: bool, importance: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes uint8, scales, zero points uint8) of groups [rows, n, g], zero point 8; the search
+    weighs each input's squared error by `importance` [1, n, g] when given."""
     index = groups.abs().argmax(dim=2, keepdim=True)
     extreme = groups.gather(2, index).squeeze(2)
     nonzero = extreme != 0
@@ -43,7 +46,7 @@ def fit_symmetric(groups: torch.Tensor, search: bool) -> tuple[torch.Tensor, tor
         best_gain = torch.full_like(extreme, -1.0)
         for c in SYMMETRIC_CANDIDATES:
             levels = torch.round(groups * (-c / extreme)[:, :, None]).clamp_(-8, 7)
-            scale, gain = least_squares_scale(groups, levels, extreme / -8.0)
+            scale, gain = least_squares_scale(groups, levels, extreme / -8.0, importance)
             better = gain > best_gain
             best_gain = torch.where(better, gain, best_gain)
             best_scale = torch.where(better, scale, best_scale)
@@ -53,8 +56,10 @@ def fit_symmetric(groups: torch.Tensor, search: bool) -> tuple[torch.Tensor, tor
     return codes, best_scale, torch.full_like(codes[:, :, 0], SYMMETRIC_GROUP_ZERO)
 
 
-def fit_asymmetric(groups: torch.Tensor, search: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(codes uint8, scales, zero points uint8) of groups [rows, n, g]."""
+def fit_asymmetric(groups: torch.Tensor, search: bool, importance: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes uint8, scales, zero points uint8) of groups [rows, n, g]; the search weighs each
+    input's squared error by `importance` [1, n, g] when given."""
     lo0 = groups.amin(dim=2).clamp(max=0.0)
     hi0 = groups.amax(dim=2).clamp(min=0.0)
     best_error = None
@@ -64,8 +69,9 @@ def fit_asymmetric(groups: torch.Tensor, search: bool) -> tuple[torch.Tensor, to
         zero = torch.round(-lo / scale).clamp_(0, 15)
         levels = (torch.round(groups / scale[:, :, None]) + zero[:, :, None]).clamp_(0, 15) - zero[:, :, None]
         if search:
-            scale, _ = least_squares_scale(groups, levels, scale)
-        error = ((levels * scale[:, :, None] - groups) ** 2).sum(dim=2)
+            scale, _ = least_squares_scale(groups, levels, scale, importance)
+        error = (levels * scale[:, :, None] - groups) ** 2
+        error = (error if importance is None else error * importance).sum(dim=2)
         if best_error is None:
             best_error, best_scale, best_zero, best_levels = error, scale, zero, levels
             continue

@@ -56,7 +56,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.common.contracts import QuantizationPlugin, QuantizationReport
+from pagedserve.common.contracts import (
+    Calibration,
+    LayerInputs,
+    QuantizationPlugin,
+    QuantizationReport,
+)
+from pagedserve.plugins.int4_gptq import GPTQ_SEARCH, GPTQ_WEIGHTED_FIT, gptq_passes, gptq_quantize
 from pagedserve.plugins.int4_group_fit import (  # noqa: F401 - the search's candidates, re-exported
     ASYMMETRIC_RATIOS,
     SYMMETRIC_CANDIDATES,
@@ -114,10 +120,12 @@ def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
 _ROWS_AT_A_TIME = 256
 
 
-def quantize(weight: torch.Tensor, group_size: int = 32, symmetric: bool = True, search: bool = True) -> Int4Weights:
+def quantize(weight: torch.Tensor, group_size: int = 32, symmetric: bool = True, search: bool = True,
+             importance: torch.Tensor | None = None) -> Int4Weights:
     """The int4 layout of a float weight [out, in] (module docstring: the rules and bounds).
     `search` False: plain round-to-nearest of the group's range (the module docstring's
-    `round-to-nearest` rules), True (the methods'): the scale search."""
+    `round-to-nearest` rules), True (the methods'): the scale search, each input's squared
+    error weighed by `importance` [in] when given (an importance matrix's diagonal)."""
     if group_size <= 0 or group_size % BLOCK:
         raise ValueError(f"int4 group size must be a positive multiple of {BLOCK}, got {group_size}")
     w = weight.detach().float()
@@ -125,7 +133,9 @@ def quantize(weight: torch.Tensor, group_size: int = 32, symmetric: bool = True,
     padded = -(-k // group_size) * group_size
     groups = F.pad(w, (0, padded - k)).reshape(out, padded // group_size, group_size)
     fit = fit_symmetric if symmetric else fit_asymmetric
-    parts = [fit(groups[r : r + _ROWS_AT_A_TIME], search) for r in range(0, out, _ROWS_AT_A_TIME)]
+    if importance is not None:
+        importance = F.pad(importance.float().to(w.device), (0, padded - k)).reshape(1, padded // group_size, group_size)
+    parts = [fit(groups[r : r + _ROWS_AT_A_TIME], search, importance) for r in range(0, out, _ROWS_AT_A_TIME)]
     codes = torch.cat([p[0] for p in parts]).reshape(out, padded)
     scale = torch.cat([p[1] for p in parts]).contiguous()
     zero = torch.cat([p[2] for p in parts])
@@ -201,23 +211,33 @@ def _bytes(module: nn.Module) -> int:
 
 
 class Int4Quantization(QuantizationPlugin):
-    """The built-in `int4` method: group 32, symmetric (entry point `pagedserve.quantization: int4`)."""
+    """The built-in `int4` method: group 32, symmetric (entry point `pagedserve.quantization: int4`).
+    With an `imatrix` calibration the scale search weighs each input by its Σ x² over the
+    calibration tokens (one pass of the float model); with `gptq` each layer's codes are fitted
+    by GPTQ (int4_gptq.py) to its inputs, a few layers a pass (`gptq_passes`), each pass run with
+    the layers before it already int4."""
 
     name = "int4"
     group_size = 32
     symmetric = True
+    calibration_methods = ("gptq", "imatrix")
 
-    def quantize(self, model: Any, *, quantize_lm_head: bool = False) -> QuantizationReport:
+    def quantize(self, model: Any, *, quantize_lm_head: bool = False,
+                 calibration: Calibration | None = None) -> QuantizationReport:
         targets = [(name, module) for name, module in model.named_modules()
                    if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] != "lm_head"]
-        float_bytes = quantized_bytes = 0
-        for name, linear in targets:
-            float_bytes += linear.weight.numel() * linear.weight.element_size()
-            new = Int4Linear.from_linear(linear, self.group_size, self.symmetric)
-            quantized_bytes += new.quantized_bytes()
-            parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, child, new)
-        lm_head = False
+        float_bytes = sum(linear.weight.numel() * linear.weight.element_size() for _, linear in targets)
+        quantized_bytes = 0
+        gptq = calibration is not None and calibration.method == "gptq"
+        for chunk in gptq_passes(targets) if gptq else [targets]:
+            inputs = calibration.layer_inputs(dict(chunk), full=gptq) if calibration is not None else {}
+            for name, linear in chunk:
+                new = Int4Linear(_quantized_on(linear.weight, self.group_size, self.symmetric, inputs.get(name)),
+                                 linear.bias, linear.weight.dtype)
+                quantized_bytes += new.quantized_bytes()
+                parent, _, child = name.rpartition(".")
+                setattr(model.get_submodule(parent) if parent else model, child, new)
+        lm_head = False  # the LM head is fitted data-free (the scale search), calibrated or not
         if quantize_lm_head and hasattr(model, "lm_head"):
             head = model.lm_head
             if isinstance(head, nn.Linear):
@@ -231,12 +251,19 @@ class Int4Quantization(QuantizationPlugin):
                 quantized_bytes += model.lm_head.quantized_bytes()
                 lm_head = True
         return QuantizationReport(method=self.name, num_linear=len(targets), float_bytes=float_bytes,
-                                  quantized_bytes=quantized_bytes, model_bytes=_bytes(model), lm_head=lm_head)
+                                  quantized_bytes=quantized_bytes, model_bytes=_bytes(model), lm_head=lm_head,
+                                  calibration=calibration.method if calibration is not None else "none")
 
 
-def _quantized_on(weight: torch.Tensor, group_size: int, symmetric: bool) -> Int4Weights:
-    """`quantize`, its tensors on the weight's device."""
-    w = quantize(weight, group_size, symmetric)
+def _quantized_on(weight: torch.Tensor, group_size: int, symmetric: bool, inputs: LayerInputs | None = None
+                  ) -> Int4Weights:
+    """`quantize`, its tensors on the weight's device; with calibration `inputs`: GPTQ from their
+    Hessian, or (a diagonal only: `imatrix`) the scale search weighing each input by its Σ x²."""
+    if inputs is not None and inputs.hessian is not None:
+        codes, scales, zeros = gptq_quantize(weight, inputs.hessian, group_size, symmetric, GPTQ_SEARCH,
+                                             weighted_fit=GPTQ_WEIGHTED_FIT)
+        return Int4Weights(pack_codes(codes), scales, None if symmetric else zeros, group_size, weight.shape[1])
+    w = quantize(weight, group_size, symmetric, importance=None if inputs is None else inputs.squares)
     d = weight.device
     return Int4Weights(w.qweight.to(d), w.scales.to(d), None if w.zeros is None else w.zeros.to(d),
                        group_size, w.in_features)

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.common.contracts import QuantizationPlugin, QuantizationReport
+from pagedserve.common.contracts import Calibration, QuantizationPlugin, QuantizationReport
 
 #: `Int8Linear.forward` on CPU float32 runs the int8 kernel of the fused decode step
 #: (`torch.ops.pagedserve.int8_linear`, kernels/csrc/cpu_decode.cpp) up to this many rows,
@@ -132,7 +132,8 @@ class Int8Quantization(QuantizationPlugin):
 
     name = "int8"
 
-    def quantize(self, model: Any, *, quantize_lm_head: bool = False) -> QuantizationReport:
+    def quantize(self, model: Any, *, quantize_lm_head: bool = False,
+                 calibration: Calibration | None = None) -> QuantizationReport:
         targets = [(name, module) for name, module in model.named_modules()
                    if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] != "lm_head"]
         float_bytes = quantized_bytes = 0

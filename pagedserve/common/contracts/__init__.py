@@ -29,7 +29,12 @@ from pagedserve.common.contracts.parallel import (
     padded_shard_size,
     tensor_parallel_sizes_problem,
 )
-from pagedserve.common.contracts.quantization import QuantizationPlugin, QuantizationReport
+from pagedserve.common.contracts.quantization import (
+    Calibration,
+    LayerInputs,
+    QuantizationPlugin,
+    QuantizationReport,
+)
 from pagedserve.common.contracts.request import Request, RequestStatus
 from pagedserve.common.contracts.routing import (
     PrefixLookup,
@@ -77,6 +82,7 @@ __all__ = [
     "API_VERSION",
     "AttentionBackend",
     "AttentionMetadata",
+    "Calibration",
     "CausalLMPlugin",
     "CompiledGrammar",
     "CompletionDelta",
@@ -87,6 +93,7 @@ __all__ = [
     "GrammarMatcher",
     "ServeConfig",
     "KVCacheManager",
+    "LayerInputs",
     "ParsedOutput",
     "ParsedToolCall",
     "ToolCallEvent",

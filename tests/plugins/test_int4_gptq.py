@@ -1,0 +1,133 @@
+"""The calibrated int4 fits: GPTQ (plugins/int4_gptq.py) against the paper's algorithm written
+plainly in float64 and against round-to-nearest on the calibration inputs it was fitted to;
+the importance-weighted scale search (`imatrix`) against the plain one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedserve.plugins.int4_gptq import DAMP, gptq_passes, gptq_quantize
+from pagedserve.plugins.int4_group_fit import fit_asymmetric, fit_symmetric
+from pagedserve.plugins.int4_quantization import Int4Weights, dequantize, pack_codes, quantize
+
+CASES = [(32, True), (128, True), (32, False), (128, False)]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """These are small products: on a shared machine torch's thread pool only waits."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def reference_gptq(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, symmetric: bool, search: bool,
+                   weighted: bool = False):
+    """GPTQ as the paper states it, one column at a time with no Cholesky factor and no lazy
+    batches: quantize column j, then move the columns F = j.. by the Optimal Brain Surgeon
+    update -(w_j - q_j) / [H_F⁻¹]_jj · [H_F⁻¹]_j,:, with H_F⁻¹ inverted afresh each column."""
+    out, k = weight.shape
+    padded = -(-k // group_size) * group_size
+    W = F.pad(weight.double(), (0, padded - k))
+    H = torch.zeros(padded, padded, dtype=torch.float64)
+    H[:k, :k] = hessian.double()
+    dead = H.diagonal() == 0
+    H[dead, dead] = 1.0
+    W[:, dead] = 0.0
+    importance = H.diagonal().clone().reshape(1, -1, group_size) if weighted else None  # before dampening
+    H += DAMP * H.diagonal().mean() * torch.eye(padded, dtype=torch.float64)
+    fit = fit_symmetric if symmetric else fit_asymmetric
+    codes = torch.zeros(out, padded, dtype=torch.uint8)
+    scales = torch.zeros(out, padded // group_size, dtype=torch.float64)
+    zeros = torch.zeros(out, padded // group_size, dtype=torch.uint8)
+    for j in range(padded):
+        if j % group_size == 0:
+            weights = None if importance is None else importance[:, j // group_size : j // group_size + 1]
+            _, scale, zero = fit(W[:, None, j : j + group_size], search, weights)
+            s, z = scale[:, 0], zero[:, 0].double()
+            scales[:, j // group_size], zeros[:, j // group_size] = s, zero[:, 0]
+        q = torch.clamp(torch.round(W[:, j] / s) + z, 0, 15)
+        codes[:, j] = q.to(torch.uint8)
+        inverse = torch.linalg.inv(H[j:, j:])
+        W[:, j:] -= ((W[:, j] - (q - z) * s) / inverse[0, 0])[:, None] * inverse[0][None, :]
+    return codes, scales, zeros
+
+
+def _layer(out: int = 24, k: int = 200, rows: int = 400, seed: int = 0):
+    """A weight and calibration inputs with correlated features (as a layer's inputs are)."""
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out, k, generator=g)
+    mix = torch.randn(k, k, generator=g) / k**0.5
+    x = torch.randn(rows, k, generator=g) @ mix + torch.randn(k, generator=g)
+    x[:, 5] = 0.0  # an input the calibration never reached: a dead column
+    return weight, x
+
+
+@pytest.mark.parametrize(("group_size", "symmetric"), CASES)
+@pytest.mark.parametrize(("search", "weighted"), [(False, False), (True, False), (True, True)])
+def test_gptq_matches_the_papers_algorithm_in_float64(group_size, symmetric, search, weighted, monkeypatch):
+    from pagedserve.plugins import int4_gptq
+
+    monkeypatch.setattr(int4_gptq, "BLOCK_COLUMNS", 32)  # several lazy batches at group 32
+    weight, x = _layer(out=8, k=72, rows=160)  # 72 inputs: padded to 96 and to 128
+    hessian = x.double().T @ x.double()
+    codes, scales, zeros = gptq_quantize(weight.double(), hessian, group_size, symmetric, search, weighted_fit=weighted)
+    want_codes, want_scales, want_zeros = reference_gptq(weight, hessian, group_size, symmetric, search, weighted)
+    assert torch.equal(codes, want_codes)
+    assert torch.allclose(scales, want_scales, rtol=1e-9, atol=0)
+    assert torch.equal(zeros, want_zeros)
+
+
+@pytest.mark.parametrize(("group_size", "symmetric"), CASES)
+def test_identity_hessian_gives_round_to_nearest_exactly(group_size, symmetric):
+    weight, _ = _layer(k=200)  # 200 inputs: the last group is padded at 32 and at 128
+    codes, scales, zeros = gptq_quantize(weight, torch.eye(200), group_size, symmetric, search=False)
+    rtn = quantize(weight, group_size, symmetric, search=False)
+    assert torch.equal(pack_codes(codes), rtn.qweight)
+    assert torch.equal(scales, rtn.scales)
+    assert symmetric or torch.equal(zeros, rtn.zeros)
+
+
+def _output_error(weight: torch.Tensor, x: torch.Tensor, q: Int4Weights) -> float:
+    x64 = x.double()
+    return float(((x64 @ (weight.double() - dequantize(q).double()).T) ** 2).sum())
+
+
+@pytest.mark.parametrize(("group_size", "symmetric"), CASES)
+def test_gptq_error_on_its_calibration_inputs_is_below_round_to_nearest(group_size, symmetric):
+    weight, x = _layer()
+    codes, scales, zeros = gptq_quantize(weight, x.T @ x, group_size, symmetric)
+    fitted = Int4Weights(pack_codes(codes), scales, None if symmetric else zeros, group_size, weight.shape[1])
+    gptq_error = _output_error(weight, x, fitted)
+    # both data-free fits: round-to-nearest, and the scale search the methods run without calibration
+    for search in (False, True):
+        assert gptq_error < 0.7 * _output_error(weight, x, quantize(weight, group_size, symmetric, search))
+
+
+def test_passes_hold_at_most_the_budget_of_hessians(monkeypatch):
+    from pagedserve.plugins import int4_gptq
+
+    monkeypatch.setattr(int4_gptq, "HESSIAN_BYTES_PER_PASS", 3 * 4 * 64**2)
+    targets = [(f"l{i}", torch.nn.Linear(k, 8)) for i, k in enumerate([64, 64, 64, 64, 128, 64])]
+    names = [[name for name, _ in p] for p in gptq_passes(targets)]
+    assert names == [["l0", "l1", "l2"], ["l3"], ["l4"], ["l5"]]  # l4 alone is over the budget
+
+
+@pytest.mark.parametrize(("group_size", "symmetric"), CASES)
+def test_importance_weighted_search_never_does_worse_on_its_weights(group_size, symmetric):
+    weight, x = _layer()
+    importance = (x * x).sum(dim=0)
+    ones = quantize(weight, group_size, symmetric, importance=torch.ones(weight.shape[1]))
+    plain = quantize(weight, group_size, symmetric)
+    assert torch.equal(ones.qweight, plain.qweight) and torch.allclose(ones.scales, plain.scales, rtol=1e-6, atol=0)
+
+    def weighted_error(q: Int4Weights) -> float:
+        return float((((dequantize(q) - weight) ** 2) * importance).sum())
+
+    weighted = quantize(weight, group_size, symmetric, importance=importance)
+    # the same candidate roundings, each with its weighted least-squares scale: never worse
+    assert weighted_error(weighted) <= weighted_error(plain)
+    assert weighted_error(weighted) <= weighted_error(quantize(weight, group_size, symmetric, search=False))
