@@ -113,12 +113,13 @@ def main() -> None:
     config = init.config
     if resolve_device(config.device).type == "cpu":
         torch.set_num_threads(cpu_threads_per_rank(config))
-    # the shared memory's region, inherited from rank 0. Rank 0 judges a hung rank (it names
-    # it); this rank's own wait, longer, only guards against a rank 0 hung without exiting
+    # Rank 0 judges a hung rank and names it: this rank's collectives wait longer, so that a
+    # rank that waits on the hung one does not exit first and get the blame; the longer wait
+    # only guards against a rank 0 hung without exiting
+    timeout = 2 * config.tensor_parallel_timeout + 5
     shm = None
-    if init.shm_fd >= 0:
-        shm = SharedMemoryAllReduce(init.shm_fd, init.rank, config.tensor_parallel_size,
-                                    2 * config.tensor_parallel_timeout + 5,
+    if init.shm_fd >= 0:  # the shared memory's region, inherited from rank 0
+        shm = SharedMemoryAllReduce(init.shm_fd, init.rank, config.tensor_parallel_size, timeout,
                                     spin_us=spin_microseconds(cpu_threads_per_rank(config), config.tensor_parallel_size))
         os.close(init.shm_fd)  # the mapping holds its own
     store = dist.TCPStore(init.host, init.port, config.tensor_parallel_size, is_master=False,
@@ -128,8 +129,8 @@ def main() -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     try:  # the groups first: rank 0 joins them as soon as every rank has started
-        group = TorchParallelGroup(store, init.rank, config.tensor_parallel_size, device,
-                                   config.tensor_parallel_timeout, config.tensor_parallel_start_timeout, shm)
+        group = TorchParallelGroup(store, init.rank, config.tensor_parallel_size, device, timeout,
+                                   config.tensor_parallel_start_timeout, shm)
         ShardRunner(init, store, group, device).serve()
     except RuntimeError as exc:  # a collective failed (gloo's errors are plain RuntimeErrors): rank 0 is
         # gone or gave up, or a rank hung; nothing left to serve

@@ -104,9 +104,11 @@ def test_prompts_sharing_a_prefix_go_to_the_worker_that_holds_it(tiny_checkpoint
             opened = await _read(client, first)
             followers = [_request(f"f{i}", prefix + [10 + i, 11 + i, 12]) for i in range(3)]
             decisions = [await routing.submit(r) for r in followers]
-            logs = await asyncio.gather(*(_read(client, r) for r in followers))
+            # while the holder still has the three (taken or promised): once they finish, both
+            # workers are idle and the tie goes to the lower worker id, whichever that is
             other = _request("other", [250 - i for i in range(40)])
             elsewhere = await routing.submit(other)
+            logs = await asyncio.gather(*(_read(client, r) for r in followers))
             await _read(client, other)
             return opener, opened, decisions, logs, elsewhere, {r: c._value.get() for r, c in metrics.routed.items()}
         finally:
@@ -121,7 +123,7 @@ def test_prompts_sharing_a_prefix_go_to_the_worker_that_holds_it(tiny_checkpoint
     assert decisions == [RouteDecision(holder, "cache")] * 3
     assert [log.num_cached_tokens for log in logs] == [48, 48, 48]  # the prefix, from that worker's pool
     assert all(log.error is None and len(log.completions[0].token_ids) == 24 for log in logs)
-    # a prompt nobody holds goes by load: the worker that did not just run three
+    # a prompt nobody holds goes by load: the worker that is not running three
     assert elsewhere == RouteDecision(next(s.worker_id for s in services if s.worker_id != holder), "load")
     assert routed == {"cache": 3, "load": 2, "shared": 0}
 
