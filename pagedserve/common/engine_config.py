@@ -100,7 +100,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     #: batch 32 and 413 at 64 against the eager forward's 371 and 464 (benchmarks/fused_blas.py,
     #: 3 rounds alternated, 2026-11-26). On an AVX-512 EPYC an earlier run (1 thread, loaded) had
     #: it at 496 against 451 ms at batch 64. With int8 weights the fused step stops at 16 rows
-    #: (FUSED_INT8_MAX_BATCH: not measured above that)
+    #: (FUSED_INT8_MAX_BATCH: not measured above that), with int4 weights at the int4 kernel's
+    #: own limit (int4_kernel_max_rows)
     fused_decode_max_batch: int = 256
     #: in the fused CPU step, float32 products (and the LM head) of this many rows and more call
     #: torch's BLAS instead of our batch-invariant kernels; 0: never. BLAS is faster there but

@@ -8,11 +8,14 @@ twice the speed of torch's batch-1 `F.linear` and, from 8 rows, run in register 
 threads by rows in large steps, with no Python or aten calls per layer. The runner uses it
 for decode-only steps of up to `fused_decode_max_batch` rows (and, with speculative decoding,
 for steps that verify drafts: each draft a row, see `FusedDecoder.forward`): 256 by default,
-16 with int8 weights; every other step (prefill chunks, mixed batches)
-runs the model's own `forward`.
+16 with int8 weights, and with int4 weights as many as the int4 kernel beats dequantizing
+(`int4_kernel_max_rows`: 64 with AVX-512 VNNI, 32 with AVX2); every other step (prefill
+chunks, mixed batches) runs the model's own `forward`.
 
-With int8 weights (`EngineConfig.quantization`), the projections whose `DecoderLayerWeights`
-carry a scale run the int8 GEMV of the same file (and the LM head too when it is int8).
+With quantized weights (`EngineConfig.quantization`, or a GPTQ/AWQ checkpoint), the
+projections whose `DecoderLayerWeights` carry a scale run the int8 GEMV of the same file, or
+the int4 kernel of csrc/cpu_int4_gemv.cpp (the LM head too when it is quantized): the same
+kernels that the eager `Int8Linear` / `Int4Linear` call for a few rows.
 With an int8 KV cache (`EngineConfig.kv_cache_dtype`), the step quantizes each new K/V row
 as it stores it and the attention kernel reads the int8 rows with their scales.
 
@@ -52,8 +55,17 @@ FUSED_INT8_MAX_BATCH = 16
 
 
 def _scales(w: DecoderLayerWeights) -> list[torch.Tensor | None]:
-    """The int8 scales of one layer's projections, in the kernel's slot order (None: float)."""
+    """The scales of one layer's projections, in the kernel's slot order (None: float)."""
     return [w.qkv_scale, w.o_proj_scale, w.gate_up_scale, w.down_scale]
+
+
+def _zeros(w: DecoderLayerWeights) -> list[torch.Tensor | None]:
+    """The int4 zero points of one layer's projections, in the kernel's slot order."""
+    return [w.qkv_zeros, w.o_proj_zeros, w.gate_up_zeros, w.down_zeros]
+
+
+def _int4(t: torch.Tensor) -> bool:
+    return t.dtype == torch.uint8  # int4: two codes a byte
 
 
 class FusedDecoder:
@@ -65,19 +77,25 @@ class FusedDecoder:
         assert kernels is not None, "check fused_decode_supported first"
         self._kernels = kernels
         self.kv_caches = kv_caches
-        int8 = any(_scales(w) != [None] * 4 for w in weights.layers)
+        quantized = any(_scales(w) != [None] * 4 for w in weights.layers)
+        int4 = any(_int4(t) for w in weights.layers for t in (w.qkv, w.o_proj, w.gate_up, w.down))
         #: the most rows (tokens) of a step run here
-        self.max_batch = min(max_batch, FUSED_INT8_MAX_BATCH) if int8 else max_batch
+        self.max_batch = max_batch
+        if int4:
+            self.max_batch = min(max_batch, int(torch.ops.pagedserve.int4_kernel_max_rows()))
+        elif quantized:
+            self.max_batch = min(max_batch, FUSED_INT8_MAX_BATCH)
         #: the most tokens of one sequence in a step run here: 1 (decodes), or 1 + the drafts a
         #: speculative step verifies, each draft a row of its own (see `takes`)
         self.max_query_len = max_query_len
         self.num_steps = 0  # decode steps run here (the rest ran the model's forward)
         self.lm_head = weights.lm_head
         self.lm_head_scale = weights.lm_head_scale
+        self.lm_head_zeros = weights.lm_head_zeros
         layers = [[w.input_norm, w.qkv, w.qkv_bias, w.q_norm, w.k_norm, w.o_proj, w.post_norm, w.gate_up, w.down]
                   for w in weights.layers]
-        if int8:
-            layers = [slots + _scales(w) for slots, w in zip(layers, weights.layers)]
+        if quantized:
+            layers = [slots + _scales(w) + (_zeros(w) if int4 else []) for slots, w in zip(layers, weights.layers)]
         self._impl = kernels.FusedDecoder(weights.embed, layers, weights.final_norm, weights.cos.float(),
                                           weights.sin.float(), weights.num_heads, weights.num_kv_heads,
                                           weights.head_dim, weights.rms_norm_eps)
@@ -116,6 +134,10 @@ class FusedDecoder:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [n, vocab] of a few rows of final hidden states."""
+        if self.lm_head_scale is not None and _int4(self.lm_head):
+            group = self.lm_head.shape[1] * 2 // self.lm_head_scale.shape[1]
+            return self._kernels.int4_linear(hidden.contiguous(), self.lm_head, self.lm_head_scale, self.lm_head_zeros,
+                                             None, group)
         if self.lm_head_scale is not None:
             return self._kernels.small_linear_int8(hidden.contiguous(), self.lm_head, self.lm_head_scale)
         if 0 < self.blas_rows <= hidden.shape[0]:

@@ -19,6 +19,8 @@ from pagedserve.plugins.int4_quantization import (
     unpack_codes,
 )
 
+from engine_helpers import assert_fused_step_equals_eager
+
 # (in, out, group): K not a multiple of the group, nor of 32, nor of 64; one block; many groups
 SHAPES = [(33, 7, 32), (200, 37, 128), (96, 5, 32), (1, 3, 32), (300, 9, 32), (129, 66, 128)]
 
@@ -126,3 +128,27 @@ def test_bad_shapes_are_refused(kernels):
         kernels.int4_linear(x, w.qweight, w.scales, None, bias, 32)
     with pytest.raises(RuntimeError, match="unknown kernel 'avx9'"):
         kernels.set_int4_kernel("avx9")
+
+
+@pytest.mark.parametrize(("model_name", "method", "lm_head"), [
+    ("llama-gqa", "int4", False), ("qwen2", "int4_asym", False), ("qwen3", "int4_g128", False),
+    ("llama-mha-odd", "int4_g128_asym", True)])
+def test_fused_step_with_int4_weights_equals_the_eager_int4_forward(tiny_checkpoint, model_name, method, lm_head):
+    """The fused CPU step reads the int4 layers' packed codes, scales and zero points itself
+    (no dequantized copy) and runs the kernel that `Int4Linear` runs for a few rows: one decode
+    step of 3 sequences gives the eager forward's hidden states, KV and logits, and its greedy
+    tokens."""
+    from pagedserve import LLM
+
+    engine = LLM(str(tiny_checkpoint(model_name)), kv_cache_memory=1 << 22, quantization=method,
+                 quantize_lm_head=lm_head).engine
+    weights = engine.runner.model.decoder_weights()
+    assert weights is not None and weights.layers[0].qkv.dtype == torch.uint8
+    assert weights.layers[0].down_scale is not None and weights.layers[0].down_scale.dim() == 2
+    assert (weights.layers[0].qkv_zeros is not None) == method.endswith("_asym")
+    assert (weights.lm_head.dtype == torch.uint8) == lm_head
+    config, fused = engine.config, engine.runner.fused_decoder
+    assert fused is not None
+    assert fused.max_batch == min(config.fused_decode_max_batch, config.max_num_seqs,
+                                  torch.ops.pagedserve.int4_kernel_max_rows())
+    assert_fused_step_equals_eager(engine)

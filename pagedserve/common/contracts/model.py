@@ -136,13 +136,21 @@ class DecoderLayerWeights:
     post_norm: torch.Tensor  # [hidden] RMSNorm weight before the MLP
     gate_up: torch.Tensor  # [2 * intermediate, hidden]: gate then up (SwiGLU)
     down: torch.Tensor  # [hidden, intermediate]
-    #: int8 weights (EngineConfig.quantization): one float32 scale per output row of the
-    #: projection of that name, whose tensor above is then int8 (float weight = int8 × scale);
-    #: None: that projection is float, in the model's dtype
-    qkv_scale: torch.Tensor | None = None  # [q + 2 * kv]
-    o_proj_scale: torch.Tensor | None = None  # [hidden]
-    gate_up_scale: torch.Tensor | None = None  # [2 * intermediate]
-    down_scale: torch.Tensor | None = None  # [hidden]
+    #: quantized weights (EngineConfig.quantization, or a GPTQ/AWQ checkpoint); None: that
+    #: projection is float, in the model's dtype. int8: one float32 scale per output row of the
+    #: projection of that name, whose tensor above is then int8 [out, in] (float weight =
+    #: int8 × scale). int4: float32 [out, groups], one scale per group of inputs, and the tensor
+    #: above is uint8 [out, padded_in / 2], two codes a byte (plugins/int4_quantization.py)
+    qkv_scale: torch.Tensor | None = None  # [q + 2 * kv] (int4: [q + 2 * kv, groups])
+    o_proj_scale: torch.Tensor | None = None  # [hidden] (int4: [hidden, groups])
+    gate_up_scale: torch.Tensor | None = None  # [2 * intermediate] (int4: [2 * intermediate, groups])
+    down_scale: torch.Tensor | None = None  # [hidden] (int4: [hidden, groups])
+    #: int4 with zero points (asymmetric): uint8 [out, groups], shaped as the scales; None:
+    #: symmetric (every zero point 8), or not int4
+    qkv_zeros: torch.Tensor | None = None
+    o_proj_zeros: torch.Tensor | None = None
+    gate_up_zeros: torch.Tensor | None = None
+    down_zeros: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,7 +168,8 @@ class DecoderWeights:
     num_kv_heads: int
     head_dim: int
     rms_norm_eps: float
-    lm_head_scale: torch.Tensor | None = None  # [vocab] when lm_head is int8 (--quantize-lm-head), else None
+    lm_head_scale: torch.Tensor | None = None  # [vocab] when lm_head is int8 (--quantize-lm-head), [vocab, groups] int4
+    lm_head_zeros: torch.Tensor | None = None  # uint8 [vocab, groups]: an asymmetric int4 lm_head's zero points
 
 
 class CausalLMPlugin(ABC):

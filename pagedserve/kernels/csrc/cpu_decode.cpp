@@ -50,6 +50,9 @@ int64_t int8_kernel_max_rows();
 void linear_rows_int8_int8(const float* x, int64_t m, int64_t in, const int8_t* w, const float* scale,
                            const float* bias, int64_t out, float* y);
 void quantize_kv_row_int8(const float* x, int64_t n, int8_t* row);  // cpu_paged_attention.cpp
+void linear_rows_int4(const float* x, int64_t m, int64_t in, const uint8_t* packed, const float* scales,
+                      const uint8_t* zeros, int64_t kp, int64_t group, const float* bias, int64_t out,
+                      float* y);  // cpu_int4_gemv.cpp
 
 namespace {
 
@@ -420,7 +423,11 @@ inline void for_rows(int64_t m, int64_t width, const F& fn) {
 
 struct Layer {
   torch::Tensor input_norm, qkv, qkv_bias, q_norm, k_norm, o_proj, post_norm, gate_up, down;
-  torch::Tensor qkv_scale, o_proj_scale, gate_up_scale, down_scale;  // defined: that weight is int8
+  // defined: that weight is quantized. int8: the weight is int8 [out, in] and the scale float32
+  // [out]; int4: the weight is uint8 [out, padded_in / 2] (cpu_int4_gemv.cpp's packing), the
+  // scale float32 [out, groups] and the zeros uint8 [out, groups] (undefined: symmetric, 8)
+  torch::Tensor qkv_scale, o_proj_scale, gate_up_scale, down_scale;
+  torch::Tensor qkv_zeros, o_proj_zeros, gate_up_zeros, down_zeros;
 };
 
 // y = x·wᵀ (+ bias) of m rows by torch's BLAS (at::mm_out, oneDNN/MKL on x86), float32 w
@@ -439,11 +446,16 @@ void linear_rows_blas(const float* x, int64_t m, int64_t in, const torch::Tensor
   }
 }
 
-// y = x·wᵀ (+ bias) of m rows, float32 w, or int8 w with one scale per row when `scale` is
-// defined. float32 w from `blas_rows` rows on (0: never) goes to torch's BLAS.
+// y = x·wᵀ (+ bias) of m rows: float32 w, int8 w with one scale per row, or int4 w (uint8, two
+// codes a byte) with a scale (and a zero point, if `zeros` is defined) per group of inputs.
+// float32 w from `blas_rows` rows on (0: never) goes to torch's BLAS.
 inline void linear_any(const float* x, int64_t m, int64_t in, const torch::Tensor& w, const torch::Tensor& scale,
-                       const float* bias, int64_t out, float* y, int64_t blas_rows = 0) {
-  if (scale.defined())
+                       const torch::Tensor& zeros, const float* bias, int64_t out, float* y, int64_t blas_rows = 0) {
+  if (scale.defined() && w.scalar_type() == at::kByte) {
+    const int64_t kp = w.size(1) * 2;
+    linear_rows_int4(x, m, in, w.data_ptr<uint8_t>(), scale.data_ptr<float>(),
+                     zeros.defined() ? zeros.data_ptr<uint8_t>() : nullptr, kp, kp / scale.size(1), bias, out, y);
+  } else if (scale.defined())
     linear_rows_int8(x, m, in, w.data_ptr<int8_t>(), scale.data_ptr<float>(), bias, out, y);
   else if (blas_rows > 0 && m >= blas_rows)
     linear_rows_blas(x, m, in, w, bias, out, y);
@@ -451,8 +463,21 @@ inline void linear_any(const float* x, int64_t m, int64_t in, const torch::Tenso
     linear_rows(x, m, in, w.data_ptr<float>(), bias, out, y);
 }
 
-// The weight of one projection: float32, or int8 [out, in] with float32 scales [out].
-void check_weight(const torch::Tensor& w, const torch::Tensor& scale, int64_t out, int64_t in, const char* name) {
+// The weight of one projection: float32, int8 [out, in] with float32 scales [out], or int4:
+// uint8 [out, padded_in / 2] with float32 scales [out, groups] and optional uint8 zeros alike.
+void check_weight(const torch::Tensor& w, const torch::Tensor& scale, const torch::Tensor& zeros, int64_t out,
+                  int64_t in, const char* name) {
+  if (scale.defined() && w.scalar_type() == at::kByte) {
+    TORCH_CHECK(w.dim() == 2 && w.size(0) == out, name, ": int4 weight of the wrong shape");
+    const int64_t kp = w.size(1) * 2;
+    TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.dim() == 2 && scale.size(0) == out && scale.size(1) > 0 &&
+                    kp % scale.size(1) == 0 && (kp / scale.size(1)) % 32 == 0 && kp >= in && kp - in < kp / scale.size(1),
+                name, ": int4 scales must be float32 [out, groups], groups of a multiple of 32 inputs covering ", in);
+    TORCH_CHECK(!zeros.defined() || (zeros.scalar_type() == at::kByte && zeros.sizes() == scale.sizes()),
+                name, ": int4 zeros must be uint8 shaped as the scales");
+    return;
+  }
+  TORCH_CHECK(!zeros.defined(), name, ": zero points go with int4 weights only");
   TORCH_CHECK(w.dim() == 2 && w.size(0) == out && w.size(1) == in, name, ": weight of the wrong shape");
   if (scale.defined()) {
     TORCH_CHECK(w.scalar_type() == at::kChar, name, ": a weight with scales is int8");
@@ -518,7 +543,8 @@ class FusedDecoder {
   // layers: per layer [input_norm, qkv, qkv_bias?, q_norm?, k_norm?, o_proj, post_norm, gate_up, down]
   // (undefined tensors — None from Python — where the model has none), optionally followed by
   // [qkv_scale?, o_proj_scale?, gate_up_scale?, down_scale?]: a projection with a scale has
-  // int8 weights; cos/sin [positions, head_dim].
+  // int8 weights (or int4: uint8), and then by [qkv_zeros?, o_proj_zeros?, gate_up_zeros?,
+  // down_zeros?], the int4 zero points; cos/sin [positions, head_dim].
   FusedDecoder(torch::Tensor embed, std::vector<std::vector<c10::optional<torch::Tensor>>> layers,
                torch::Tensor final_norm, torch::Tensor cos, torch::Tensor sin, int64_t num_heads,
                int64_t num_kv_heads, int64_t head_dim, double eps)
@@ -530,20 +556,22 @@ class FusedDecoder {
       return t.has_value() ? t->contiguous() : torch::Tensor();
     };
     for (auto& l : layers) {
-      TORCH_CHECK(l.size() == 9 || l.size() == 13, "a layer has 9 weight slots (13 with the int8 scales)");
-      auto scale = [&](size_t i) { return l.size() == 13 ? get(l[i]) : torch::Tensor(); };
+      TORCH_CHECK(l.size() == 9 || l.size() == 13 || l.size() == 17,
+                  "a layer has 9 weight slots (13 with the scales, 17 with the int4 zero points)");
+      auto slot = [&](size_t i) { return l.size() > i ? get(l[i]) : torch::Tensor(); };
       layers_.push_back({get(l[0]), get(l[1]), get(l[2]), get(l[3]), get(l[4]), get(l[5]), get(l[6]), get(l[7]),
-                         get(l[8]), scale(9), scale(10), scale(11), scale(12)});
+                         get(l[8]), slot(9), slot(10), slot(11), slot(12), slot(13), slot(14), slot(15), slot(16)});
     }
     hidden_size_ = embed_.size(1);
-    intermediate_ = layers_.at(0).down.size(1);
+    const auto& first = layers_.at(0);
+    intermediate_ = first.gate_up.size(0) / 2;
     q_size_ = num_heads_ * head_dim_;
     kv_size_ = num_kv_heads_ * head_dim_;
     for (const auto& L : layers_) {
-      check_weight(L.qkv, L.qkv_scale, q_size_ + 2 * kv_size_, hidden_size_, "qkv");
-      check_weight(L.o_proj, L.o_proj_scale, hidden_size_, q_size_, "o_proj");
-      check_weight(L.gate_up, L.gate_up_scale, 2 * intermediate_, hidden_size_, "gate_up");
-      check_weight(L.down, L.down_scale, hidden_size_, intermediate_, "down");
+      check_weight(L.qkv, L.qkv_scale, L.qkv_zeros, q_size_ + 2 * kv_size_, hidden_size_, "qkv");
+      check_weight(L.o_proj, L.o_proj_scale, L.o_proj_zeros, hidden_size_, q_size_, "o_proj");
+      check_weight(L.gate_up, L.gate_up_scale, L.gate_up_zeros, 2 * intermediate_, hidden_size_, "gate_up");
+      check_weight(L.down, L.down_scale, L.down_zeros, hidden_size_, intermediate_, "down");
     }
     scale_ = 1.0 / std::sqrt(static_cast<double>(head_dim_));
   }
@@ -624,7 +652,7 @@ class FusedDecoder {
         rms_norm_rows(residual + r0 * H, r1 - r0, H, L.input_norm.data_ptr<float>(), eps_, normed + r0 * H);
       });
       lap(other_ns_);
-      linear_any(normed, m, H, L.qkv, L.qkv_scale, L.qkv_bias.defined() ? L.qkv_bias.data_ptr<float>() : nullptr,
+      linear_any(normed, m, H, L.qkv, L.qkv_scale, L.qkv_zeros, L.qkv_bias.defined() ? L.qkv_bias.data_ptr<float>() : nullptr,
                  qkv_out, qkv_.data(), blas_rows_);
       lap(linear_ns_);
       auto& kv = kv_caches[li];
@@ -663,14 +691,14 @@ class FusedDecoder {
       lap(other_ns_);
       auto attn = paged_decode_attention(q_rows, kv[0], kv[1], block_tables, seq_lens, scale_);
       lap(attention_ns_);
-      linear_any(attn.data_ptr<float>(), m, q_size_, L.o_proj, L.o_proj_scale, nullptr, H, hidden, blas_rows_);
+      linear_any(attn.data_ptr<float>(), m, q_size_, L.o_proj, L.o_proj_scale, L.o_proj_zeros, nullptr, H, hidden, blas_rows_);
       lap(linear_ns_);
       for_rows(m, H, [&](int64_t r0, int64_t r1) {
         for (int64_t i = r0 * H; i < r1 * H; ++i) residual[i] += hidden[i];
         rms_norm_rows(residual + r0 * H, r1 - r0, H, L.post_norm.data_ptr<float>(), eps_, normed + r0 * H);
       });
       lap(other_ns_);
-      linear_any(normed, m, H, L.gate_up, L.gate_up_scale, nullptr, 2 * I, mlp_.data(), blas_rows_);
+      linear_any(normed, m, H, L.gate_up, L.gate_up_scale, L.gate_up_zeros, nullptr, 2 * I, mlp_.data(), blas_rows_);
       lap(linear_ns_);
       for_rows(m, I, [&](int64_t r0, int64_t r1) {
         for (int64_t r = r0; r < r1; ++r) {
@@ -682,7 +710,7 @@ class FusedDecoder {
         }
       });
       lap(other_ns_);
-      linear_any(act_.data(), m, I, L.down, L.down_scale, nullptr, H, hidden, blas_rows_);
+      linear_any(act_.data(), m, I, L.down, L.down_scale, L.down_zeros, nullptr, H, hidden, blas_rows_);
       lap(linear_ns_);
     }
     for (int64_t i = 0; i < m * H; ++i) residual[i] += hidden[i];

@@ -26,9 +26,9 @@
 // summed in a pinned order: a row's result is bitwise independent of the batch.
 //
 // Above `int4_kernel_max_rows()` rows the Python side dequantizes the weight for float F.linear
-// (the float path for larger M). The fused CPU decode step (cpu_decode.cpp) does not call this
-// file yet: it would call `linear_rows_int4` from its projection slots, next to
-// linear_rows_int8, once DecoderLayerWeights carries the int4 tensors.
+// (the float path for larger M). The fused CPU decode step (cpu_decode.cpp) calls
+// `linear_rows_int4` from its projection slots, next to linear_rows_int8, for steps of up to
+// that many rows.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 

@@ -49,9 +49,19 @@ def _weight(module: nn.Module, name: str = "weight") -> torch.Tensor:
     return cast(torch.Tensor, getattr(module, name))
 
 
+def _weight_of(module: nn.Module) -> torch.Tensor:
+    """What a fused kernel reads of a linear: its weight, or an int4 linear's packed codes."""
+    return cast(torch.Tensor, module.qweight if hasattr(module, "qweight") else module.weight)
+
+
 def _scale(linear: nn.Module) -> torch.Tensor | None:
-    """The per-row scales of a quantized linear's int8 weight; None for a float one."""
-    return getattr(linear, "weight_scale", None)
+    """The scales of a quantized linear: per row (int8) or per group (int4); None for a float one."""
+    return cast(torch.Tensor, linear.scales) if hasattr(linear, "qweight") else getattr(linear, "weight_scale", None)
+
+
+def _zeros(linear: nn.Module) -> torch.Tensor | None:
+    """An asymmetric int4 linear's zero points; None otherwise."""
+    return getattr(linear, "zeros", None) if hasattr(linear, "qweight") else None
 
 
 #: the layers that load their rank's shard of a checkpoint tensor themselves
@@ -212,30 +222,28 @@ class LlamaForCausalLM(nn.Module, CausalLMPlugin):
             return None
         if self.parallel is not None:
             return None  # a shard: the fused kernel has no all-reduce between its layers
-        # int4 weights (plugins/int4_quantization.py) have packed codes and group scales, no
-        # `weight` rows: the fused decode step does not read them yet (it would take them here,
-        # with an int4 GEMV slot next to its int8 one in kernels/csrc/cpu_decode.cpp)
-        if any(hasattr(m, "qweight") for m in self.modules()):
-            return None
         layers = []
         for layer in cast(Iterable[DecoderLayer], self.layers):
             attn = layer.self_attn
             layers.append(DecoderLayerWeights(
-                input_norm=layer.input_layernorm.weight, qkv=_weight(attn.qkv_proj),
+                input_norm=layer.input_layernorm.weight, qkv=_weight_of(attn.qkv_proj),
                 qkv_bias=cast(torch.Tensor | None, attn.qkv_proj.bias),
                 q_norm=attn.q_norm.weight if attn.q_norm is not None else None,
                 k_norm=attn.k_norm.weight if attn.k_norm is not None else None,
-                o_proj=_weight(attn.o_proj), post_norm=layer.post_attention_layernorm.weight,
-                gate_up=_weight(layer.mlp.gate_up_proj), down=_weight(layer.mlp.down_proj),
-                # a quantized linear (contracts/quantization.py) carries its per-row scales
+                o_proj=_weight_of(attn.o_proj), post_norm=layer.post_attention_layernorm.weight,
+                gate_up=_weight_of(layer.mlp.gate_up_proj), down=_weight_of(layer.mlp.down_proj),
+                # a quantized linear (contracts/quantization.py) carries its scales (and int4's zeros)
                 qkv_scale=_scale(attn.qkv_proj), o_proj_scale=_scale(attn.o_proj),
                 gate_up_scale=_scale(layer.mlp.gate_up_proj), down_scale=_scale(layer.mlp.down_proj),
+                qkv_zeros=_zeros(attn.qkv_proj), o_proj_zeros=_zeros(attn.o_proj),
+                gate_up_zeros=_zeros(layer.mlp.gate_up_proj), down_zeros=_zeros(layer.mlp.down_proj),
             ))
         first = cast(DecoderLayer, self.layers[0]).self_attn
         return DecoderWeights(
             embed=_weight(self.embed_tokens), layers=layers, final_norm=self.norm.weight,
-            lm_head=_weight(self.embed_tokens if self.lm_head is None else self.lm_head),
+            lm_head=_weight(self.embed_tokens) if self.lm_head is None else _weight_of(self.lm_head),
             lm_head_scale=None if self.lm_head is None else _scale(self.lm_head),
+            lm_head_zeros=None if self.lm_head is None else _zeros(self.lm_head),
             cos=first.rotary.cos, sin=first.rotary.sin, num_heads=first.num_heads, num_kv_heads=first.num_kv_heads,
             head_dim=first.head_dim, rms_norm_eps=float(self.config.rms_norm_eps),
         )
