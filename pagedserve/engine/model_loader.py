@@ -111,6 +111,8 @@ def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.dev
         from pagedserve.kernels.cpu_attention import cpu_kernels
 
         cpu_kernels()  # registers torch.ops.pagedserve.int4_linear for the int4 modules' forward
+    elif prequantized is not None and kernels.ops.name == "triton":
+        _register_triton_gemm(device)  # torch.ops.pagedserve.w4a16_linear, likewise
     if quantization is not None:
         if device.type == "cpu":
             # registers torch.ops.pagedserve.int8_* (kernels/csrc/cpu_decode.cpp) for the
@@ -168,16 +170,19 @@ def checkpoint_format(hf_config, quantization: str | None = None) -> CheckpointF
 
 
 def _register_triton_gemm(device: torch.device) -> None:
-    """Registers torch.ops.pagedserve.w8a16_linear (kernels/triton_int8.py), which the int8
-    modules' forward calls on CUDA, once it has passed its check against the torch reference
-    on this device; without it they dequantize and call F.linear."""
-    from pagedserve.kernels import triton_int8
+    """Registers torch.ops.pagedserve.w8a16_linear (kernels/triton_int8.py) and w4a16_linear
+    (kernels/triton_int4.py), which the int8 and int4 modules' forward call on CUDA, each once
+    it has passed its check against the torch reference on this device; without it those
+    layers dequantize and call F.linear."""
+    from pagedserve.kernels import triton_int4, triton_int8
 
-    problem = triton_int8.self_check(device)
-    if problem is not None:
-        logger.warning("the Triton w8a16 GEMM failed its self-check (%s); int8 layers dequantize instead", problem)
-        return
-    triton_int8.register_op()
+    for name, module, layers in (("w8a16", triton_int8, "int8"), ("w4a16", triton_int4, "int4")):
+        problem = module.self_check(device)
+        if problem is not None:
+            logger.warning("the Triton %s GEMM failed its self-check (%s); %s layers dequantize instead",
+                           name, problem, layers)
+            continue
+        module.register_op()
 
 
 @torch.no_grad()
