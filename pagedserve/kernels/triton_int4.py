@@ -24,10 +24,13 @@ row is the same whatever M is, for a given split count. The split count does dep
 (`split_k_for` counts the output tiles): it is the same for every M up to 32 (one row tile
 of 16 or 32 rows, BLOCK_N 64 either way), and may change from M = 33 on (two row tiles) and
 is 1 above 64; a row computed with another split count is summed in another order and may
-differ in its last bits. Compiled, a row is the same for every M up to 64 with the same
-split count (the same mma instruction sequence per row); the 64-row tile of M > 64 may use
-sm_90's wgmma, whose rounding inside an instruction need not match. The tests check rows
-for M = 1..17 bitwise, with and without split-K.
+differ in its last bits. So with the default split count a decode step's rows (M <= 32) do
+not depend on the batch, and a prefill's may differ from them. Compiled, the 16- and 32-row
+tiles should run the same mma instruction sequence for each row, but the tensor cores'
+rounding is not the interpreter's, and the 64-row tile of M > 64 may use sm_90's wgmma,
+whose rounding inside an instruction need not match mma's. The tests check rows for
+M = 1..17 bitwise, with the default split count, 1 and 3, in the interpreter (and compiled
+in their `gpu` twin, which has not run on a GPU yet).
 
 `register_op()` makes the kernel `torch.ops.pagedserve.w4a16_linear`, which `Int4Linear`
 calls on CUDA (the worker registers it when it runs the Triton kernels). On CPU it runs
@@ -153,8 +156,8 @@ def tiles_for(m: int, dtype: torch.dtype = torch.bfloat16) -> tuple[int, int, in
     decode (M <= 16) takes one 16-row tile; up to 64 rows 32-row tiles, both 64 columns wide
     (the same tile count, so the same split count, for every M up to 32); above 64 rows,
     64 × 128 tiles that reuse each unpacked weight tile across more rows (64 × 64 in
-    float32). The largest that compile without spilled registers for sm_80 and sm_90
-    (`python -m pagedserve.kernels.triton_aot`); not tuned on a GPU yet."""
+    float32). They compile without spilled registers for sm_80 and sm_90 (`python -m
+    pagedserve.kernels.triton_aot`); not tuned on a GPU yet."""
     if m <= 16:
         return 16, 64, 4
     if m <= 64:
