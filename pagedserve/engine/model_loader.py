@@ -107,21 +107,9 @@ def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.dev
     else:
         model.load_weights(iter_safetensors(model_dir))
     model.eval()
-    if prequantized is not None and device.type == "cpu":
-        from pagedserve.kernels.cpu_attention import cpu_kernels
-
-        cpu_kernels()  # registers torch.ops.pagedserve.int4_linear for the int4 modules' forward
-    elif prequantized is not None and kernels.ops.name == "triton":
-        _register_triton_gemm(device)  # torch.ops.pagedserve.w4a16_linear, likewise
+    if prequantized is not None or quantization is not None:
+        _register_quantized_kernels(device, kernels)
     if quantization is not None:
-        if device.type == "cpu":
-            # registers torch.ops.pagedserve.int8_* (kernels/csrc/cpu_decode.cpp) for the
-            # quantized modules' forward; without a compiler they fall back to torch
-            from pagedserve.kernels.cpu_attention import cpu_kernels
-
-            cpu_kernels()
-        elif kernels.ops.name == "triton":
-            _register_triton_gemm(device)
         method: QuantizationPlugin = load_plugin("quantization", quantization)()
         offered = None
         if calibration is not None:
@@ -167,6 +155,18 @@ def checkpoint_format(hf_config, quantization: str | None = None) -> CheckpointF
         raise InvalidParameterError("quantization", f"the checkpoint is already quantized ({fmt.method}, "
                                                     f"its quantization_config); leave --quantization out")
     return fmt
+
+
+def _register_quantized_kernels(device: torch.device, kernels: Kernels) -> None:
+    """The operators the quantized modules' forward calls: on CPU the C++ extension's
+    (torch.ops.pagedserve.int8_*, int4_linear: kernels/csrc; without a compiler the modules
+    fall back to torch), on the Triton kernels the Triton GEMMs."""
+    if device.type == "cpu":
+        from pagedserve.kernels.cpu_attention import cpu_kernels
+
+        cpu_kernels()
+    elif kernels.ops.name == "triton":
+        _register_triton_gemm(device)
 
 
 def _register_triton_gemm(device: torch.device) -> None:
