@@ -107,19 +107,9 @@ def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.dev
     else:
         model.load_weights(iter_safetensors(model_dir))
     model.eval()
-    if prequantized is not None and device.type == "cpu":
-        from pagedserve.kernels.cpu_attention import cpu_kernels
-
-        cpu_kernels()  # registers torch.ops.pagedserve.int4_linear for the int4 modules' forward
+    if prequantized is not None or quantization is not None:
+        _register_quantized_kernels(device, kernels)
     if quantization is not None:
-        if device.type == "cpu":
-            # registers torch.ops.pagedserve.int8_* (kernels/csrc/cpu_decode.cpp) for the
-            # quantized modules' forward; without a compiler they fall back to torch
-            from pagedserve.kernels.cpu_attention import cpu_kernels
-
-            cpu_kernels()
-        elif kernels.ops.name == "triton":
-            _register_triton_gemm(device)
         method: QuantizationPlugin = load_plugin("quantization", quantization)()
         offered = None
         if calibration is not None:
@@ -167,17 +157,32 @@ def checkpoint_format(hf_config, quantization: str | None = None) -> CheckpointF
     return fmt
 
 
-def _register_triton_gemm(device: torch.device) -> None:
-    """Registers torch.ops.pagedserve.w8a16_linear (kernels/triton_int8.py), which the int8
-    modules' forward calls on CUDA, once it has passed its check against the torch reference
-    on this device; without it they dequantize and call F.linear."""
-    from pagedserve.kernels import triton_int8
+def _register_quantized_kernels(device: torch.device, kernels: Kernels) -> None:
+    """The operators the quantized modules' forward calls: on CPU the C++ extension's
+    (torch.ops.pagedserve.int8_*, int4_linear: kernels/csrc; without a compiler the modules
+    fall back to torch), on the Triton kernels the Triton GEMMs."""
+    if device.type == "cpu":
+        from pagedserve.kernels.cpu_attention import cpu_kernels
 
-    problem = triton_int8.self_check(device)
-    if problem is not None:
-        logger.warning("the Triton w8a16 GEMM failed its self-check (%s); int8 layers dequantize instead", problem)
-        return
-    triton_int8.register_op()
+        cpu_kernels()
+    elif kernels.ops.name == "triton":
+        _register_triton_gemm(device)
+
+
+def _register_triton_gemm(device: torch.device) -> None:
+    """Registers torch.ops.pagedserve.w8a16_linear (kernels/triton_int8.py) and w4a16_linear
+    (kernels/triton_int4.py), which the int8 and int4 modules' forward call on CUDA, each once
+    it has passed its check against the torch reference on this device; without it those
+    layers dequantize and call F.linear."""
+    from pagedserve.kernels import triton_int4, triton_int8
+
+    for name, module, layers in (("w8a16", triton_int8, "int8"), ("w4a16", triton_int4, "int4")):
+        problem = module.self_check(device)
+        if problem is not None:
+            logger.warning("the Triton %s GEMM failed its self-check (%s); %s layers dequantize instead",
+                           name, problem, layers)
+            continue
+        module.register_op()
 
 
 @torch.no_grad()

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from pagedserve.common.contracts import AttentionMetadata
-from pagedserve.kernels import triton_attention, triton_int8, triton_ops
+from pagedserve.kernels import triton_attention, triton_int4, triton_int8, triton_ops
 from pagedserve.kernels.reference_ops import kv_row_width
 
 triton = triton_ops.triton
@@ -98,7 +98,7 @@ class _Recorder:
         return record
 
 
-_KERNEL_MODULES = (triton_ops, triton_attention, triton_int8)
+_KERNEL_MODULES = (triton_ops, triton_attention, triton_int8, triton_int4)
 
 
 @contextlib.contextmanager
@@ -278,6 +278,8 @@ KV_CACHE_DTYPES = (None, torch.int8, torch.float8_e4m3fn)
 GEMM_ROWS = (1, 32, 256)
 #: the K splits recorded for a decode step's GEMM (any count above 1 compiles the same code)
 GEMM_SPLIT_K = 4
+#: int4 group sizes for the w4a16 GEMM (the built-in methods'), each symmetric and with zero points
+INT4_GROUPS = (32, 128)
 #: float8_e4m3fn needs sm_89 or later (Triton refuses the type below); sm_80 gets int8 only
 FP8_MIN_ARCH = 89
 
@@ -287,8 +289,9 @@ def engine_launches(dtypes=(torch.bfloat16, torch.float16, torch.float32), block
                     gemm_dtypes=None) -> list[tuple[str, Launch]]:
     """(label, launch) for every kernel launch the engine makes in these configurations,
     duplicates (same kernel, same compile-time specialization) removed. The w8a16 GEMM (an
-    int8 model's linear layers) runs in `gemm_dtypes` (default: `dtypes`) on each layout's
-    QKV projection shape."""
+    int8 model's linear layers) and the w4a16 GEMM (an int4 model's, in each of INT4_GROUPS,
+    symmetric and asymmetric) run in `gemm_dtypes` (default: `dtypes`) on each layout's QKV
+    projection shape."""
     out, seen = [], set()
 
     def add(label: str, launches: list[Launch]):
@@ -329,6 +332,19 @@ def engine_launches(dtypes=(torch.bfloat16, torch.float16, torch.float32), block
                 # a decode step split over K (split_k_for on a GPU), and its reduction
                 triton_int8.w8a16_linear(torch.empty(1, hidden, dtype=dtype), weight, scale, None, split_k=GEMM_SPLIT_K)
             add(f"{_TYPE_NAMES[dtype]} {name} w8a16 M={'/'.join(map(str, GEMM_ROWS))}", launches)
+            for group in INT4_GROUPS:
+                padded = -(-hidden // group) * group
+                qweight, scales = torch.empty(qkv, padded // 2, dtype=torch.uint8), torch.empty(qkv, padded // group)
+                for zeros in (None, torch.empty(qkv, padded // group, dtype=torch.uint8)):
+                    with recording() as launches:
+                        for m in GEMM_ROWS:
+                            x = torch.empty(m, hidden, dtype=dtype)
+                            triton_int4.w4a16_linear(x, qweight, scales, zeros, None, group)
+                        triton_int4.w4a16_linear(torch.empty(1, hidden, dtype=dtype), qweight, scales, zeros, None,
+                                                 group, split_k=GEMM_SPLIT_K)
+                    kind = "sym" if zeros is None else "asym"
+                    add(f"{_TYPE_NAMES[dtype]} {name} w4a16 g{group} {kind} M={'/'.join(map(str, GEMM_ROWS))}",
+                        launches)
     return out
 
 

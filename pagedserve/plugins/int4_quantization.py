@@ -41,8 +41,9 @@ by GPTQ or AWQ are repacked into the same layout (plugins/int4_checkpoint.py).
 `Int4Linear.forward` on CPU float32 runs the C++ int4 × int8 kernel
 (`torch.ops.pagedserve.int4_linear`, kernels/csrc/cpu_int4_gemv.cpp: activations quantized to
 int8 per block of 32, as Q4_0 × Q8_0) up to `int4_kernel_max_rows()` rows when the worker has
-loaded the extension, and above that (or on other devices) dequantizes the weight to the
-activations' dtype for `F.linear`. The fused CPU decode step does not read int4 weights yet:
+loaded the extension, on CUDA the Triton w4a16 GEMM (`torch.ops.pagedserve.w4a16_linear`,
+kernels/triton_int4.py) when the worker has registered it, and otherwise dequantizes the
+weight to the activations' dtype for `F.linear`. The fused CPU decode step does not read int4 weights yet:
 `LlamaForCausalLM.decoder_weights` answers None for such a model, so its decode steps run
 this forward (eager).
 """
@@ -77,6 +78,8 @@ SYMMETRIC_ZERO = SYMMETRIC_GROUP_ZERO  # the zero point of a symmetric group
 #: `Int4Linear.forward` runs the C++ kernel up to this many rows when the extension does not
 #: say (`int4_kernel_max_rows`), and dequantizes for F.linear above it
 INT4_KERNEL_MAX_ROWS = 16
+#: Devices on which `Int4Linear.forward` calls the registered Triton `w4a16_linear`
+TRITON_GEMM_DEVICES = ("cuda",)
 
 
 def _cpu_op(name: str) -> Any:
@@ -194,7 +197,10 @@ class Int4Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         cpu32 = x2.device.type == "cpu" and x2.dtype == torch.float32
         linear = _cpu_op("int4_linear") if cpu32 else None
-        if linear is not None and x2.shape[0] <= int4_kernel_max_rows():
+        gemm = _cpu_op("w4a16_linear") if x2.device.type in TRITON_GEMM_DEVICES else None
+        if gemm is not None:
+            y = gemm(x2, self.qweight, self.scales, self.zeros, self.bias, self.group_size)
+        elif linear is not None and x2.shape[0] <= int4_kernel_max_rows():
             y = linear(x2.contiguous(), self.qweight, self.scales, self.zeros, self.bias, self.group_size)
         else:
             y = F.linear(x2, dequantize(self.weights, x2.dtype), self.bias)

@@ -155,6 +155,32 @@ def test_repack_gives_back_the_codes_zeros_and_scales(method):
                        * scales.float().repeat_interleave(GROUP, 1))
 
 
+def test_a_checkpoint_registers_the_kernels_its_int4_layers_call(tmp_path, monkeypatch):
+    """A GPTQ checkpoint's int4 layers get their kernels registered as `--quantization`'s do:
+    on CPU the C++ extension, on the Triton kernels (CUDA) the Triton GEMMs, w4a16 among them
+    (only the registration is faked here: a CUDA device on a CPU machine)."""
+    from transformers import AutoConfig
+
+    from pagedserve.engine import model_loader
+    from pagedserve.kernels import cpu_attention
+    from pagedserve.kernels.selector import select_kernels
+
+    quantized_dir, _ = make_pair(build_checkpoint("llama", tmp_path / "source"), tmp_path, "gptq")
+    calls: list[tuple] = []
+    monkeypatch.setattr(model_loader, "_register_quantized_kernels", lambda device, kernels: calls.append(
+        (device.type, kernels.ops.name)))
+    cpu, hf_config = torch.device("cpu"), AutoConfig.from_pretrained(str(quantized_dir))
+    model = model_loader.load_model(quantized_dir, hf_config, torch.float32, cpu, select_kernels("triton", cpu))
+    assert calls == [("cpu", "triton")] and isinstance(model.layers[0].mlp.down_proj, Int4Linear)
+    monkeypatch.undo()
+    registered: list[str] = []
+    monkeypatch.setattr(model_loader, "_register_triton_gemm", lambda device: registered.append(device.type))
+    monkeypatch.setattr(cpu_attention, "cpu_kernels", lambda: registered.append("cpu extension"))
+    for device, kernels in (("cuda", "triton"), ("cuda", "torch"), ("cpu", "triton"), ("cpu", "torch")):
+        model_loader._register_quantized_kernels(torch.device(device), select_kernels(kernels, cpu))
+    assert registered == ["cuda", "cpu extension", "cpu extension"]
+
+
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_checkpoint_loads_as_int4_and_agrees_with_its_weights_dequantized(float_source, tmp_path, method):
     """Greedy ids of the float checkpoint (the same weights dequantized), teacher-forced on the

@@ -24,7 +24,7 @@ from pagedserve.kernels.triton_aot import recording  # noqa: E402
 
 KERNELS = {"_paged_attention_kernel", "_combine_splits_kernel", "_kv_store_kernel", "_rms_norm_kernel",
            "_silu_and_mul_kernel", "_rotary_kernel", "_kv_store_quantized_kernel", "_w8a16_gemm_kernel",
-           "_w8a16_reduce_kernel"}
+           "_w8a16_reduce_kernel", "_w4a16_gemm_kernel", "_w4a16_reduce_kernel"}
 TESTS_DIR = Path(__file__).parent.parent
 
 
@@ -48,8 +48,10 @@ def test_every_engine_kernel_compiles_for_a100_and_h100():
     # cache; an int8 and a float8 cache add a quantizing store and three attention kernels
     # per layout (8 each; float8 on sm_90 only); the w8a16 GEMM: 3 tile sizes, and per layout
     # a split-K decode with its reduction (K = 4096 in 4 splits, K = 576 in 3), in fp16 and
-    # bf16 (14)
-    assert len(results) == (17 + 8 + 14) + (17 + 8 + 8 + 14)
+    # bf16 (14); the w4a16 GEMM, per dtype: groups 32 and 128, each symmetric and asymmetric,
+    # 3 tile sizes and a split-K decode (16), one reduction for 4 splits, and for K = 576 in
+    # groups of 128 (5 steps of 128) a decode in 3 splits, sym and asym, and its reduction (20)
+    assert len(results) == 2 * (17 + 8 + 14 + 40) + 8
     for r in results:
         assert r["error"] is None, r
         assert 0 <= r["shared_bytes"] <= triton_aot.SHARED_MEMORY_LIMIT[r["arch"]]
@@ -58,9 +60,10 @@ def test_every_engine_kernel_compiles_for_a100_and_h100():
         # only a prefill tile of 64 rows × 128 dims (Llama-3-8B: 16 tokens × 4 heads) takes 8 warps
         # (whatever the cache); the GEMM's 64 × 128 tile of M > 64 takes 8 too
         big_tile = r["kernel"] == "_paged_attention_kernel" and "llama3-8b bs16 mixed" in r["label"]
-        big_gemm = r["kernel"] == "_w8a16_gemm_kernel" and r["constants"]["BLOCK_M"] == 64
+        big_gemm = r["kernel"] in ("_w8a16_gemm_kernel", "_w4a16_gemm_kernel") and r["constants"]["BLOCK_M"] == 64
         assert r["num_warps"] == (8 if big_tile or big_gemm else 4), r
-    assert "86 launches: 86 compiled, 0 refused by the compiler; 0 over the shared memory limit" in out
+    assert "166 launches: 166 compiled, 0 refused by the compiler; 0 over the shared memory limit" in out
+    assert not any(r["stack_bytes"] for r in results if "gemm" in r["kernel"])  # no GEMM spills registers
     attention = {r["label"].split()[-1]: r["constants"] for r in results
                  if r["arch"] == 90 and r["kernel"] == "_paged_attention_kernel" and "llama3-8b" in r["label"]
                  and "kv-" not in r["label"]}
@@ -154,9 +157,10 @@ def test_shared_memory_over_the_limit_is_flagged():
     assert "1 compiled, 0 refused by the compiler; 1 over the shared memory limit" in printed[2]
 
 
-def test_quantized_kv_and_w8a16_launches_compile_where_their_types_exist():
-    """int8 caches and the w8a16 GEMM compile for sm_80 and sm_90; float8_e4m3fn caches for
-    sm_90 only (Triton has no e4m3 type below sm_89), each kernel told its cache layout."""
+def test_quantized_kv_and_gemm_launches_compile_where_their_types_exist():
+    """int8 caches and the w8a16 and w4a16 GEMMs compile for sm_80 and sm_90; float8_e4m3fn
+    caches for sm_90 only (Triton has no e4m3 type below sm_89), each kernel told its cache
+    layout, the w4a16 GEMM its group and whether it has zero points."""
     printed = _compiled(script="""
         import json, torch
         from pagedserve.kernels import triton_aot as aot
@@ -164,12 +168,13 @@ def test_quantized_kv_and_w8a16_launches_compile_where_their_types_exist():
                                   kinds=("decode",), kv_cache_dtypes=(torch.int8, torch.float8_e4m3fn))
         for r in results:
             print(json.dumps([r.arch, r.kernel, r.label, r.error, r.constants.get("KV_INT8"), r.constants.get("ROW_WIDTH"),
-                              r.constants.get("INT8"), r.constants.get("BLOCK_M")]))
+                              r.constants.get("INT8"), r.constants.get("BLOCK_M"),
+                              [r.constants.get(c) for c in ("GROUP", "HAS_ZERO", "SPLIT_K")]]))
     """)
     rows = [json.loads(line) for line in printed.splitlines()]
     assert all(error is None for _, _, _, error, *_ in rows)
     kv = sorted((arch, kernel, label.split()[-1], kv_int8, width, int8)
-                for arch, kernel, label, _, kv_int8, width, int8, _ in rows if "kv-" in label)
+                for arch, kernel, label, _, kv_int8, width, int8, *_ in rows if "kv-" in label)
     assert kv == [
         (80, "_kv_store_quantized_kernel", "kv-i8", None, 132, True),
         (80, "_paged_attention_kernel", "kv-i8", True, 132, None),
@@ -178,9 +183,14 @@ def test_quantized_kv_and_w8a16_launches_compile_where_their_types_exist():
         (90, "_paged_attention_kernel", "kv-fp8e4nv", False, 128, None),
         (90, "_paged_attention_kernel", "kv-i8", True, 132, None),
     ]
-    gemm = sorted((arch, block_m) for arch, kernel, *_, block_m in rows if kernel == "_w8a16_gemm_kernel")
+    gemm = sorted((arch, block_m) for arch, kernel, *_, block_m, _ in rows if kernel == "_w8a16_gemm_kernel")
     assert gemm == [(80, 16), (80, 16), (80, 32), (80, 64), (90, 16), (90, 16), (90, 32), (90, 64)]  # M=1 twice: split-K
     assert sorted(arch for arch, kernel, *_ in rows if kernel == "_w8a16_reduce_kernel") == [80, 90]
+    int4 = sorted((arch, *int4, block_m) for arch, kernel, *_, block_m, int4 in rows if kernel == "_w4a16_gemm_kernel")
+    # per architecture: groups 32 and 128, without and with zero points, 3 tiles and a split-K decode
+    assert int4 == sorted((arch, group, zero, split, block_m) for arch in (80, 90) for group in (32, 128)
+                          for zero in (False, True) for block_m, split in ((16, 1), (16, 4), (32, 1), (64, 1)))
+    assert sorted(arch for arch, kernel, *_ in rows if kernel == "_w4a16_reduce_kernel") == [80, 90]
 
 
 def test_recording_sees_the_quantized_cache_and_the_gemm():
@@ -203,3 +213,25 @@ def test_recording_sees_the_quantized_cache_and_the_gemm():
     names = triton_aot._jit_function(launches[2].kernel).arg_names
     assert signature["w_ptr"] == "*i8" and signature["M"] == "constexpr"  # M = 1 is specialized
     assert constexprs[(names.index("DOT_PRECISION"),)] == "ieee"  # float32 activations: no tf32
+
+
+def test_recording_sees_the_w4a16_gemm():
+    """The w4a16 launches as an int4 model's linear makes them: uint8 codes, float32 scales,
+    uint8 zero points (a symmetric layout passes its codes in their place, unused)."""
+    from pagedserve.kernels.triton_int4 import w4a16_linear
+
+    qweight, scales, zeros = torch.empty(48, 80, dtype=torch.uint8), torch.empty(48, 5), torch.empty(48, 5, dtype=torch.uint8)
+    with recording() as launches:
+        w4a16_linear(torch.empty(1, 150), qweight, scales, zeros, None, 32, split_k=2)
+        w4a16_linear(torch.empty(3, 100, dtype=torch.bfloat16), qweight[:, :64], scales[:, :1], None, None, 128)
+    assert [launch.name for launch in launches] == ["_w4a16_gemm_kernel", "_w4a16_reduce_kernel", "_w4a16_gemm_kernel"]
+    assert launches[0].grid == (1, 1, 2) and launches[2].grid == (1, 1, 1)  # 48 columns: one tile of 64
+    names = triton_aot._jit_function(launches[0].kernel).arg_names
+    signature, constexprs, _ = triton_aot.signature_of(launches[0])
+    assert signature["q_ptr"] == "*u8" and signature["scale_ptr"] == "*fp32" and signature["zero_ptr"] == "*u8"
+    assert [constexprs[(names.index(c),)] for c in ("GROUP", "HAS_ZERO", "BLOCK_K", "DOT_PRECISION")] == [
+        32, True, 32, "ieee"]
+    signature, constexprs, _ = triton_aot.signature_of(launches[2])
+    assert signature["x_ptr"] == "*bf16" and signature["zero_ptr"] == "*u8"  # the codes, unused
+    assert [constexprs[(names.index(c),)] for c in ("GROUP", "HAS_ZERO", "BLOCK_K", "DOT_PRECISION")] == [
+        128, False, 128, "tf32"]
