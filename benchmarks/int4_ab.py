@@ -1,16 +1,15 @@
 """int4 against int8 and float32 on CPU, interleaved round by round in one process.
 
-    python benchmarks/int4_ab.py [--rounds 5] [--tokens 32] [--threads 2] [--rows 1,16,64]
+    python benchmarks/int4_ab.py [--rounds 5] [--tokens 32] [--threads 2] [--rows 1,16,64] [--quantize-lm-head]
 
 Two measurements, on the default model's shapes (or `--model`'s):
 - `linears`: one pass over the model's linear layers (qkv, o, gate_up, down of every layer)
   at M rows, with the int8 kernel (`torch.ops.pagedserve.int8_linear`), the int4 kernel
   (`int4_linear`, group 32 and 128) and float32 F.linear, each layer's weights made from the
   checkpoint's. This is the kernels against each other, nothing else.
-- `decode`: batch-1 greedy decode tok/s of whole engines (float32, int8, int4, int4_g128).
-  The int8 and float32 engines run their decode steps in the fused C++ step; the int4 ones
-  run the model's eager forward (the fused step does not read int4 weights yet), so this
-  figure includes Python's per-layer cost on the int4 side.
+- `decode`: batch-1 greedy decode tok/s of whole engines (float32, int8, int4, int4_g128),
+  every one with its decode steps in the fused C++ step (the int4 ones since it reads int4
+  weights; before that they ran the model's eager forward, Python's per-layer cost included).
 The int4 engines need the int4 entry points installed (pip install -e . after the merge).
 """
 
@@ -82,11 +81,17 @@ def linears(model: str, rows_list: list[int], rounds: int) -> None:
               + f", vs float32 {med['float32'] / med['int4_g32']:.2f}x")
 
 
-def decode(model: str, rounds: int, tokens: int) -> None:
+def decode(model: str, rounds: int, tokens: int, lm_head: bool = False) -> None:
     from pagedserve import LLM, SamplingParams
 
-    engines = {name: LLM(model, quantization=q, max_num_batched_tokens=512, kv_cache_memory=1 << 26)
-               for name, q in (("float32", None), ("int8", "int8"), ("int4", "int4"), ("int4_g128", "int4_g128"))}
+    def build(quantization, **kwargs):
+        return LLM(model, quantization=quantization, quantize_lm_head=lm_head and quantization is not None,
+                   max_num_batched_tokens=512, kv_cache_memory=1 << 26, **kwargs)
+
+    engines = {name: build(q) for name, q in (("float32", None), ("int8", "int8"), ("int4", "int4"),
+                                                ("int4_g128", "int4_g128"))}
+    # int4 without the fused step: the model's eager forward, as every int4 decode ran before it
+    engines["int4 eager"] = build("int4", fused_decode_max_batch=0)
     results: dict[str, list[float]] = {name: [] for name in engines}
     for _ in range(rounds):
         for name, llm in engines.items():
@@ -102,6 +107,8 @@ def decode(model: str, rounds: int, tokens: int) -> None:
         print(f"decode batch 1 {name}: {median(r):.1f} tok/s (range {min(r):.1f}-{max(r):.1f})")
     ratios = [a / b for a, b in zip(results["int4"], results["int8"])]
     print(f"int4 / int8: {median(ratios):.2f}x (range {min(ratios):.2f}-{max(ratios):.2f})")
+    ratios = [a / b for a, b in zip(results["int4"], results["int4 eager"])]
+    print(f"int4 fused / int4 eager: {median(ratios):.2f}x (range {min(ratios):.2f}-{max(ratios):.2f})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,12 +119,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rows", default="1,16,64")
     parser.add_argument("--only", choices=["linears", "decode"], default=None)
+    parser.add_argument("--quantize-lm-head", action="store_true", help="decode: the quantized engines' LM head too")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.only in (None, "linears"):
         linears(args.model, [int(r) for r in args.rows.split(",")], args.rounds)
     if args.only in (None, "decode"):
-        decode(args.model, args.rounds, args.tokens)
+        decode(args.model, args.rounds, args.tokens, args.quantize_lm_head)
     return 0
 
 

@@ -43,9 +43,9 @@ by GPTQ or AWQ are repacked into the same layout (plugins/int4_checkpoint.py).
 int8 per block of 32, as Q4_0 × Q8_0) up to `int4_kernel_max_rows()` rows when the worker has
 loaded the extension, on CUDA the Triton w4a16 GEMM (`torch.ops.pagedserve.w4a16_linear`,
 kernels/triton_int4.py) when the worker has registered it, and otherwise dequantizes the
-weight to the activations' dtype for `F.linear`. The fused CPU decode step does not read int4 weights yet:
-`LlamaForCausalLM.decoder_weights` answers None for such a model, so its decode steps run
-this forward (eager).
+weight to the activations' dtype for `F.linear`. The fused CPU decode step reads the same
+packed codes, scales and zero points (`LlamaForCausalLM.decoder_weights`) and calls the same
+C++ kernel from its projection slots, for decode steps of up to `int4_kernel_max_rows()` rows.
 """
 
 from __future__ import annotations
