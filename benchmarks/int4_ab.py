@@ -5,7 +5,9 @@
 Two measurements, on the default model's shapes (or `--model`'s):
 - `linears`: one pass over the model's linear layers (qkv, o, gate_up, down of every layer)
   at M rows, with the int8 kernel (`torch.ops.pagedserve.int8_linear`), the int4 kernel
-  (`int4_linear`, group 32 and 128) and float32 F.linear, each layer's weights made from the
+  (`int4_linear`, group 32 and 128; group 32 also with each weight tile unpacked per group of 4
+  rows, `set_int4_unpack_rows`, and as dequantize + float32 F.linear, what `Int4Linear` does
+  above `int4_kernel_max_rows`) and float32 F.linear, each layer's weights made from the
   checkpoint's. This is the kernels against each other, nothing else.
 - `decode`: batch-1 greedy decode tok/s of whole engines (float32, int8, int4, int4_g128),
   every one with its decode steps in the fused C++ step (the int4 ones since it reads int4
@@ -36,10 +38,19 @@ def _linear_pass(fns, rows: int, shapes, repeats: int = 3) -> dict[str, float]:
     return {name: median(t) for name, t in times.items()}
 
 
+def _per_group(kernels, linear, x, qweight, scales):
+    previous = kernels.set_int4_unpack_rows(1 << 30)
+    try:
+        return linear(x, qweight, scales, None, None, 32)
+    finally:
+        kernels.set_int4_unpack_rows(previous)
+
+
 def linears(model: str, rows_list: list[int], rounds: int) -> None:
     from pagedserve.common.model_store import resolve_model
     from pagedserve.engine.model_loader import iter_safetensors
     from pagedserve.kernels.cpu_attention import cpu_kernels
+    from pagedserve.plugins.int4_quantization import dequantize as dequantize4
     from pagedserve.plugins.int4_quantization import quantize as quantize4
     from pagedserve.plugins.int8_quantization import quantize_per_channel
 
@@ -64,11 +75,16 @@ def linears(model: str, rows_list: list[int], rounds: int) -> None:
         "int8": lambda i, x: ops.int8_linear(x, int8[i][0], int8[i][1], None),
         "int4_g32": lambda i, x: ops.int4_linear(x, g32[i].qweight, g32[i].scales, None, None, 32),
         "int4_g128": lambda i, x: ops.int4_linear(x, g128[i].qweight, g128[i].scales, None, None, 128),
+        # the int4 kernel unpacking each weight tile per group of 4 rows (as before the unpacked path)
+        "int4_g32 per group": lambda i, x: _per_group(kernels, ops.int4_linear, x, g32[i].qweight, g32[i].scales),
+        # what Int4Linear does above int4_kernel_max_rows: dequantize, then float32 F.linear
+        "int4_g32 dequantize": lambda i, x: F.linear(x, dequantize4(g32[i])),
     }
     bytes_ = {"float32": sum(w.numel() * 4 for w in weights),
               "int8": sum(q.numel() + s.numel() * 4 for q, s in int8),
               "int4_g32": sum(q.qweight.numel() + q.scales.numel() * 4 for q in g32),
               "int4_g128": sum(q.qweight.numel() + q.scales.numel() * 4 for q in g128)}
+    bytes_["int4_g32 per group"] = bytes_["int4_g32 dequantize"] = bytes_["int4_g32"]
     print(f"{len(shapes)} linear layers; kernels: int8 {kernels.int8_kernel()}, int4 {kernels.int4_kernel()}; "
           f"threads {torch.get_num_threads()}")
     print("weights MB: " + ", ".join(f"{k} {v / 1e6:.1f}" for k, v in bytes_.items()))

@@ -9,7 +9,7 @@ threads by rows in large steps, with no Python or aten calls per layer. The runn
 for decode-only steps of up to `fused_decode_max_batch` rows (and, with speculative decoding,
 for steps that verify drafts: each draft a row, see `FusedDecoder.forward`): 256 by default,
 16 with int8 weights, and with int4 weights as many as the int4 kernel beats dequantizing
-(`int4_kernel_max_rows`: 64 with AVX-512 VNNI, 32 with AVX2); every other step (prefill
+(`int4_kernel_max_rows`: 256 with AVX-512 VNNI, 32 with AVX2); every other step (prefill
 chunks, mixed batches) runs the model's own `forward`.
 
 With quantized weights (`EngineConfig.quantization`, or a GPTQ/AWQ checkpoint), the

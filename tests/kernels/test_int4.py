@@ -152,3 +152,25 @@ def test_fused_step_with_int4_weights_equals_the_eager_int4_forward(tiny_checkpo
     assert fused.max_batch == min(config.fused_decode_max_batch, config.max_num_seqs,
                                   torch.ops.pagedserve.int4_kernel_max_rows())
     assert_fused_step_equals_eager(engine)
+
+
+@pytest.mark.parametrize(("group", "symmetric"), [(32, False), (128, True)])
+def test_unpacking_each_weight_tile_once_gives_the_same_bits(kernels, group, symmetric):
+    """The VNNI and AVX2 kernels unpack each tile of weight rows once for many activation rows
+    (above set_int4_unpack_rows), else once per group of 4 rows: the same operations, the same
+    bits, for every kernel this CPU runs (the scalar one has no unpacked path: trivially equal)."""
+    w, x, bias = _case(300, 37, group, symmetric, seed=11)
+    x = torch.cat([x, x * 0.5, -x])  # 51 rows
+    previous = kernels.set_int4_unpack_rows(1 << 30)
+    try:
+        for name in _kernel_names(kernels):
+            kernels.set_int4_kernel(name)
+            kernels.set_int4_unpack_rows(1 << 30)
+            per_group = kernels.int4_linear(x, w.qweight, w.scales, w.zeros, bias, group)
+            kernels.set_int4_unpack_rows(0)
+            assert torch.equal(kernels.int4_linear(x, w.qweight, w.scales, w.zeros, bias, group), per_group), name
+    finally:
+        kernels.set_int4_unpack_rows(previous)
+        kernels.set_int4_kernel(kernels.int4_kernels()[0])
+    with pytest.raises(RuntimeError, match="a row count"):
+        kernels.set_int4_unpack_rows(-1)

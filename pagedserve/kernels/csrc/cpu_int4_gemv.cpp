@@ -23,7 +23,10 @@
 //  - `scalar`: the same sums in plain C++, for any CPU (and a reference of the SIMD ones).
 // Each output (activation row, weight row) has its own accumulator that gets the same operations
 // in the same order whatever the number of rows in the call or in its tile, and the lanes are
-// summed in a pinned order: a row's result is bitwise independent of the batch.
+// summed in a pinned order: a row's result is bitwise independent of the batch. With more than
+// a group of 4 activation rows, the SIMD kernels unpack each tile of weight rows once into a
+// small buffer and run every group of rows against it (instead of unpacking it per group):
+// the same operations on the same values, so the same bits.
 //
 // Above `int4_kernel_max_rows()` rows the Python side dequantizes the weight for float F.linear
 // (the float path for larger M). The fused CPU decode step (cpu_decode.cpp) calls
@@ -38,6 +41,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
@@ -169,6 +173,59 @@ PS4_AVX2 PS4_INLINE float sum_lanes_256(__m256 h) {
 
 // ---- AVX2: a block of 32 a step, NW weight rows × MR activation rows ----
 
+// NW weight rows from row o, unpacked for the AVX2 product: per block of 32 inputs, each row's
+// signed codes q - z (`sw`, 32 bytes at [(b * NW + j) * 32]), their magnitudes (`aw`, likewise)
+// and the block's group scale (`sc[b * NW + j]`).
+template <int NW>
+PS4_AVX2 PS4_INLINE void unpack_avx2(const Int4Weights& w, int64_t o, int8_t* sw, int8_t* aw, float* sc) {
+  const __m128i low = _mm_set1_epi8(15);
+  const int64_t half = w.kp / 2;
+  for (int64_t b = 0; b < w.kp / kBlock; ++b) {
+    const int64_t g = b * kBlock / w.group;
+#pragma GCC unroll 4
+    for (int j = 0; j < NW; ++j) {
+      const uint8_t* p = w.packed + (o + j) * half + b * 16;
+      _mm_prefetch(reinterpret_cast<const char*>(p) + 1024, _MM_HINT_T0);
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+      const __m256i codes = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low), _mm_and_si128(bytes, low));
+      const __m256i signed_codes = _mm256_sub_epi8(codes, _mm256_set1_epi8(static_cast<char>(w.zero(o + j, g))));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(sw + (b * NW + j) * 32), signed_codes);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(aw + (b * NW + j) * 32), _mm256_abs_epi8(signed_codes));
+      sc[b * NW + j] = w.scale(o + j, g);
+    }
+  }
+}
+
+// s[r][j] for MR activation rows from r0 against NW unpacked weight rows (unpack_avx2):
+// `vpmaddubsw` of |q - z| by xq with q - z's sign (llama.cpp's sign trick; pairs of at most
+// 15·127, never saturated), `vpmaddwd` by ones into int32, conversion, FMA by d·s. The same
+// operations in the same order for every row: a row's result does not depend on the batch.
+template <int NW, int MR>
+PS4_AVX2 PS4_INLINE void tile_avx2_unpacked(const int8_t* sw, const int8_t* aw, const float* sc, int64_t kp,
+                                            const QuantizedRows& q, int64_t r0, float (*s)[4]) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[MR][NW];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NW; ++j) acc[r][j] = _mm256_setzero_ps();
+  const int64_t dstride = q.kq / kBlock;
+  for (int64_t b = 0; b < kp / kBlock; ++b) {
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.xq.data() + (r0 + r) * q.kq + b * kBlock));
+      const float d = q.d[(r0 + r) * dstride + b];
+#pragma GCC unroll 4
+      for (int j = 0; j < NW; ++j) {
+        const __m256i swj = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sw + (b * NW + j) * 32));
+        const __m256i awj = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(aw + (b * NW + j) * 32));
+        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(awj, _mm256_sign_epi8(xv, swj)), ones);
+        acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * sc[b * NW + j]), acc[r][j]);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NW; ++j) s[r][j] = sum_lanes_256(pinned(acc[r][j]));
+}
+
 template <int NW, int MR>
 PS4_AVX2 PS4_INLINE void tile_avx2(const Int4Weights& w, int64_t o, const QuantizedRows& q, int64_t r0, float (*s)[4]) {
   const __m128i low = _mm_set1_epi8(15);
@@ -214,6 +271,65 @@ PS4_AVX512 PS4_INLINE float sum_lanes_512(__m512 v) {
   return sum_lanes_256(h);
 }
 
+// NW weight rows from row o, unpacked for the VNNI product: per step of 64 inputs, each row's 64
+// codes as unsigned bytes q + (128 - z) (`codes[step * NW + j]`) and its two blocks' group scales
+// in the lanes of their blocks (`scales[step * NW + j]`): 64 bytes each.
+template <int NW>
+PS4_AVX512 PS4_INLINE void unpack_512(const Int4Weights& w, int64_t o, int8_t* codes, float* scales) {
+  const __m256i low = _mm256_set1_epi8(15);
+  const int64_t half = w.kp / 2;
+  for (int64_t k = 0, i = 0; k < w.kp; k += kStep, ++i) {
+    const bool two = k + kStep <= w.kp;  // else one block left (its second half: zero activations)
+    const int64_t g0 = k / w.group, g1 = two ? (k + kBlock) / w.group : g0;
+#pragma GCC unroll 4
+    for (int j = 0; j < NW; ++j) {
+      const uint8_t* p = w.packed + (o + j) * half + k / 2;
+      _mm_prefetch(reinterpret_cast<const char*>(p) + 1024, _MM_HINT_T0);
+      const __m256i bytes = two ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                                : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+      const __m256i lo = _mm256_and_si256(bytes, low), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+      const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_permute2x128_si256(lo, hi, 0x20)),
+                                           _mm256_permute2x128_si256(lo, hi, 0x31), 1);
+      const __m512i offset = _mm512_inserti64x4(
+          _mm512_castsi256_si512(_mm256_set1_epi8(static_cast<char>(128 - w.zero(o + j, g0)))),
+          _mm256_set1_epi8(static_cast<char>(128 - w.zero(o + j, g1))), 1);
+      _mm512_storeu_si512(codes + (i * NW + j) * 64, _mm512_add_epi8(q, offset));
+      _mm512_storeu_ps(scales + (i * NW + j) * 16, _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(w.scale(o + j, g0)),
+                                                                        _mm512_set1_ps(w.scale(o + j, g1))));
+    }
+  }
+}
+
+// s[r][j] for MR activation rows from r0 against NW unpacked weight rows (unpack_512): per step
+// and row, `vpdpbusd` from -128·Σxq of each lane gives Σ (q - z)·xq exactly; converted, times
+// d·s, into that (row, weight row)'s float accumulator. The same operations in the same order
+// for every row, whatever MR: a row's result is bitwise independent of the batch.
+template <int NW, int MR>
+PS4_AVX512 PS4_INLINE void tile_512_unpacked(const int8_t* codes, const float* scales, int64_t kp,
+                                             const QuantizedRows& q, int64_t r0, float (*s)[4]) {
+  __m512 acc[MR][NW];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NW; ++j) acc[r][j] = _mm512_setzero_ps();
+  const int64_t lstride = q.kq / 4;
+  for (int64_t k = 0, i = 0; k < kp; k += kStep, ++i) {
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) {
+      const __m512i xv = _mm512_loadu_si512(q.xq.data() + (r0 + r) * q.kq + k);
+      const __m512 dv = _mm512_loadu_ps(q.dl.data() + (r0 + r) * lstride + k / 4);
+      const __m512i cv = _mm512_loadu_si512(q.nc.data() + (r0 + r) * lstride + k / 4);
+#pragma GCC unroll 4
+      for (int j = 0; j < NW; ++j)
+        acc[r][j] = _mm512_fmadd_ps(
+            _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(cv, _mm512_loadu_si512(codes + (i * NW + j) * 64), xv)),
+            _mm512_mul_ps(dv, _mm512_loadu_ps(scales + (i * NW + j) * 16)), acc[r][j]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NW; ++j) s[r][j] = sum_lanes_512(acc[r][j]);
+}
+
+// unpack_512 then tile_512_unpacked, with the unpacked rows in registers: for a few activation
+// rows (one group of at most 4), where unpacking into memory would cost more than it saves.
 template <int NW, int MR>
 PS4_AVX512 PS4_INLINE void tile_512(const Int4Weights& w, int64_t o, const QuantizedRows& q, int64_t r0, float (*s)[4]) {
   const __m256i low = _mm256_set1_epi8(15);
@@ -270,13 +386,93 @@ PS4_TILE_ROWS(tile_rows_avx2, PS4_AVX2, tile_avx2)
 PS4_TILE_ROWS(tile_rows_512, PS4_AVX512, tile_512)
 #undef PS4_TILE_ROWS
 
+template <int NW, int MR = 1>
+PS4_AVX512 void tile_rows_512_unpacked(int mr, const int8_t* codes, const float* scales, int64_t kp,
+                                       const QuantizedRows& q, int64_t r0, float (*s)[4]) {
+  if constexpr (MR < 4) {
+    if (mr != MR) return tile_rows_512_unpacked<NW, MR + 1>(mr, codes, scales, kp, q, r0, s);
+  }
+  tile_512_unpacked<NW, MR>(codes, scales, kp, q, r0, s);
+}
+
+template <int NW, int MR = 1>
+PS4_AVX2 void tile_rows_avx2_unpacked(int mr, const int8_t* sw, const int8_t* aw, const float* sc, int64_t kp,
+                                      const QuantizedRows& q, int64_t r0, float (*s)[4]) {
+  if constexpr (MR < 4) {
+    if (mr != MR) return tile_rows_avx2_unpacked<NW, MR + 1>(mr, sw, aw, sc, kp, q, r0, s);
+  }
+  tile_avx2_unpacked<NW, MR>(sw, aw, sc, kp, q, r0, s);
+}
+
+// run_rows_unpacked_512 for the AVX2 kernel: tiles of 2 (or 1) weight rows, unpacked per block.
+PS4_AVX2 void run_rows_unpacked_avx2(const Int4Weights& w, const QuantizedRows& q, int64_t m, const float* bias,
+                                     int64_t out, float* y, int64_t begin, int64_t end) {
+  constexpr int64_t kRows = 4;
+  const int64_t blocks = w.kp / kBlock;
+  std::vector<int8_t> sw(blocks * 2 * 32), aw(blocks * 2 * 32);
+  std::vector<float> sc(blocks * 2);
+  float s[4][4];
+  for (int64_t o = begin; o < end;) {
+    const int nw = end - o >= 2 ? 2 : 1;
+    if (nw == 2) unpack_avx2<2>(w, o, sw.data(), aw.data(), sc.data());
+    else unpack_avx2<1>(w, o, sw.data(), aw.data(), sc.data());
+    for (int64_t r0 = 0; r0 < m; r0 += kRows) {
+      const int mr = static_cast<int>(std::min(kRows, m - r0));
+      if (nw == 2) tile_rows_avx2_unpacked<2>(mr, sw.data(), aw.data(), sc.data(), w.kp, q, r0, s);
+      else tile_rows_avx2_unpacked<1>(mr, sw.data(), aw.data(), sc.data(), w.kp, q, r0, s);
+      for (int j = 0; j < nw; ++j) {
+        const float b = bias ? bias[o + j] : 0.f;
+        for (int r = 0; r < mr; ++r) y[(r0 + r) * out + o + j] = s[r][j] + b;
+      }
+    }
+    o += nw;
+  }
+}
+
+// run_rows for the VNNI kernel and more than one group of activation rows: each tile of 4 (or
+// 1) weight rows is unpacked once into memory (`unpack_512`) and every group of 4 activation
+// rows runs against it, where tile_512 would unpack it again for every group. The same
+// operations on the same values: the same bits as run_rows.
+PS4_AVX512 void run_rows_unpacked_512(const Int4Weights& w, const QuantizedRows& q, int64_t m, const float* bias,
+                                      int64_t out, float* y, int64_t begin, int64_t end) {
+  constexpr int64_t kRows = 4;
+  const int64_t steps = (w.kp + kStep - 1) / kStep;
+  std::vector<int8_t> codes(steps * 4 * 64);
+  std::vector<float> scales(steps * 4 * 16);
+  float s[4][4];
+  for (int64_t o = begin; o < end;) {
+    const int nw = end - o >= 4 ? 4 : 1;
+    if (nw == 4) unpack_512<4>(w, o, codes.data(), scales.data());
+    else unpack_512<1>(w, o, codes.data(), scales.data());
+    for (int64_t r0 = 0; r0 < m; r0 += kRows) {
+      const int mr = static_cast<int>(std::min(kRows, m - r0));
+      if (nw == 4) tile_rows_512_unpacked<4>(mr, codes.data(), scales.data(), w.kp, q, r0, s);
+      else tile_rows_512_unpacked<1>(mr, codes.data(), scales.data(), w.kp, q, r0, s);
+      for (int j = 0; j < nw; ++j) {
+        const float b = bias ? bias[o + j] : 0.f;
+        for (int r = 0; r < mr; ++r) y[(r0 + r) * out + o + j] = s[r][j] + b;
+      }
+    }
+    o += nw;
+  }
+}
+
 #endif  // PAGEDSERVE_INT4_X86
+
+// Above how many activation rows the VNNI and AVX2 kernels unpack each tile of weight rows once
+// into memory (run_rows_unpacked_512, _avx2) rather than once per group of 4 activation rows:
+// the same bits either way (set_int4_unpack_rows changes it, for tests and benchmarks).
+int64_t unpack_min_rows = 4;
 
 // Output rows [begin, end): blocks of 32 weight rows, each group of 4 activation rows applied to
 // the block while it is in cache, a tile of weight rows at a time.
 void run_rows(int kernel, const Int4Weights& w, const QuantizedRows& q, int64_t m, const float* bias, int64_t out,
               float* y, int64_t begin, int64_t end) {
   constexpr int64_t kRows = 4, kOutBlock = 32;
+#ifdef PAGEDSERVE_INT4_X86
+  if (kernel == kAvx512Vnni && m > unpack_min_rows) return run_rows_unpacked_512(w, q, m, bias, out, y, begin, end);
+  if (kernel == kAvx2 && m > unpack_min_rows) return run_rows_unpacked_avx2(w, q, m, bias, out, y, begin, end);
+#endif
   float s[4][4];
   for (int64_t ob = begin; ob < end; ob += kOutBlock) {
     const int64_t oe = std::min(end, ob + kOutBlock);
@@ -375,12 +571,15 @@ std::string set_int4_kernel(const std::string& name) {
 }
 
 // Up to how many rows `Int4Linear.forward` runs this file's kernel before dequantizing the weight
-// for float32 F.linear. Measured for AVX-512 VNNI only (benchmarks/int4_ab.py, the default model's
-// 120 linears, one thread, AMD EPYC): at M = 64 the kernel took 164 ms against 197 ms for float32
-// F.linear alone (before any dequantization); the AVX2 and scalar limits are not measured.
+// for float32 F.linear (and up to how many rows the fused decode step takes an int4 model).
+// AVX-512 VNNI: measured with benchmarks/int4_ab.py (the default model's 120 linears, group 32,
+// 2 threads, Intel Xeon with AVX-512 VNNI + AMX, 2026-11-26), after the unpacked path: the
+// kernel took 205 / 341 / 940 ms at M = 128 / 256 / 512 against 350 / 546 / 879 ms for
+// dequantize + F.linear (64 before, from an AMD EPYC run of the kernel without that path:
+// 164 against 197 ms for F.linear alone at M = 64). The AVX2 and scalar limits are not measured.
 int64_t int4_kernel_max_rows() {
   switch (g_int4_kernel.load(std::memory_order_relaxed)) {
-    case kAvx512Vnni: return 64;
+    case kAvx512Vnni: return 256;
     case kAvx2: return 32;
     default: return 4;
   }
@@ -400,4 +599,9 @@ void bind_cpu_int4_gemv(pybind11::module& m) {
   m.def("int4_kernels", &int4_kernels, "the int4 kernels this CPU can run, best first: avx512vnni, avx2, scalar");
   m.def("int4_kernel", &int4_kernel, "the kernel the int4 linear layers run now");
   m.def("set_int4_kernel", &set_int4_kernel, "run this int4 kernel for every later int4 linear; returns the previous");
+  m.def("set_int4_unpack_rows", [](int64_t rows) {
+    TORCH_CHECK(rows >= 0, "set_int4_unpack_rows: a row count");
+    return std::exchange(unpack_min_rows, rows);
+  }, "above how many activation rows the VNNI and AVX2 int4 kernels unpack each weight tile once (same bits); "
+     "returns the old value", pybind11::arg("rows"));
 }
