@@ -174,3 +174,17 @@ def test_unpacking_each_weight_tile_once_gives_the_same_bits(kernels, group, sym
         kernels.set_int4_kernel(kernels.int4_kernels()[0])
     with pytest.raises(RuntimeError, match="a row count"):
         kernels.set_int4_unpack_rows(-1)
+
+
+def test_the_row_limit_can_be_set_and_given_back(kernels):
+    """set_int4_kernel_max_rows (tests, benchmarks): a limit replaces the selected kernel's own
+    until 0 gives it back; Int4Linear reads it through torch.ops.pagedserve.int4_kernel_max_rows."""
+    own = int(torch.ops.pagedserve.int4_kernel_max_rows())
+    previous = kernels.set_int4_kernel_max_rows(5)
+    try:
+        assert previous == 0 and int(torch.ops.pagedserve.int4_kernel_max_rows()) == 5
+    finally:
+        kernels.set_int4_kernel_max_rows(previous)
+    assert int(torch.ops.pagedserve.int4_kernel_max_rows()) == own
+    with pytest.raises(RuntimeError, match="a row count"):
+        kernels.set_int4_kernel_max_rows(-1)

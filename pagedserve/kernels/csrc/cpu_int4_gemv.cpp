@@ -577,7 +577,11 @@ std::string set_int4_kernel(const std::string& name) {
 // kernel took 205 / 341 / 940 ms at M = 128 / 256 / 512 against 350 / 546 / 879 ms for
 // dequantize + F.linear (64 before, from an AMD EPYC run of the kernel without that path:
 // 164 against 197 ms for F.linear alone at M = 64). The AVX2 and scalar limits are not measured.
+// set_int4_kernel_max_rows: a limit set by a test or a benchmark (0: the kernel's own, below).
+int64_t max_rows_override = 0;
+
 int64_t int4_kernel_max_rows() {
+  if (max_rows_override > 0) return max_rows_override;
   switch (g_int4_kernel.load(std::memory_order_relaxed)) {
     case kAvx512Vnni: return 256;
     case kAvx2: return 32;
@@ -599,6 +603,11 @@ void bind_cpu_int4_gemv(pybind11::module& m) {
   m.def("int4_kernels", &int4_kernels, "the int4 kernels this CPU can run, best first: avx512vnni, avx2, scalar");
   m.def("int4_kernel", &int4_kernel, "the kernel the int4 linear layers run now");
   m.def("set_int4_kernel", &set_int4_kernel, "run this int4 kernel for every later int4 linear; returns the previous");
+  m.def("set_int4_kernel_max_rows", [](int64_t rows) {
+    TORCH_CHECK(rows >= 0, "set_int4_kernel_max_rows: a row count, or 0 for the kernel's own limit");
+    return std::exchange(max_rows_override, rows);
+  }, "up to how many rows Int4Linear runs the kernel before dequantizing (0: the selected kernel's own "
+     "limit); returns the old setting", pybind11::arg("rows"));
   m.def("set_int4_unpack_rows", [](int64_t rows) {
     TORCH_CHECK(rows >= 0, "set_int4_unpack_rows: a row count");
     return std::exchange(unpack_min_rows, rows);
