@@ -196,14 +196,13 @@ def test_checkpoint_loads_as_int4_and_agrees_with_its_weights_dequantized(float_
     from pagedserve.plugins.int4_quantization import int4_kernel_max_rows
 
     kernels = cpu_kernels()
-    if kernels is not None:  # whole sequences (about 77 rows) must go past the kernel's limit
-        previous = kernels.set_int4_kernel_max_rows(64)
-        try:
-            _checkpoint_agrees(float_source, tmp_path, method, int4_kernel_max_rows)
-        finally:
-            kernels.set_int4_kernel_max_rows(previous)
-    else:
+    # whole sequences (about 77 rows) must go past the kernel's limit (256 with AVX-512 VNNI)
+    previous = kernels.set_int4_kernel_max_rows(64) if kernels is not None else None
+    try:
         _checkpoint_agrees(float_source, tmp_path, method, int4_kernel_max_rows)
+    finally:
+        if previous is not None:
+            kernels.set_int4_kernel_max_rows(previous)
 
 
 def _checkpoint_agrees(float_source, tmp_path, method, int4_kernel_max_rows):

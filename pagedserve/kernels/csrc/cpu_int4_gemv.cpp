@@ -173,22 +173,48 @@ PS4_AVX2 PS4_INLINE float sum_lanes_256(__m256 h) {
 
 // ---- AVX2: a block of 32 a step, NW weight rows × MR activation rows ----
 
-// NW weight rows from row o, unpacked for the AVX2 product: per block of 32 inputs, each row's
-// signed codes q - z (`sw`, 32 bytes at [(b * NW + j) * 32]), their magnitudes (`aw`, likewise)
-// and the block's group scale (`sc[b * NW + j]`).
+// Block b (32 inputs, group g) of weight row o, for the AVX2 product: its signed codes q - z.
+PS4_AVX2 PS4_INLINE __m256i signed_codes_avx2(const Int4Weights& w, int64_t o, int64_t b, int64_t g) {
+  const __m128i low = _mm_set1_epi8(15);
+  const uint8_t* p = w.packed + o * (w.kp / 2) + b * 16;
+  _mm_prefetch(reinterpret_cast<const char*>(p) + 1024, _MM_HINT_T0);
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256i codes = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low), _mm_and_si128(bytes, low));
+  return _mm256_sub_epi8(codes, _mm256_set1_epi8(static_cast<char>(w.zero(o, g))));
+}
+
+// One block b of MR activation rows from r0 against NW weight rows (signed codes sw, their
+// magnitudes aw, scales sc): `vpmaddubsw` of |q - z| by xq with q - z's sign (llama.cpp's sign
+// trick; pairs of at most 15·127, never saturated), `vpmaddwd` by ones into int32, conversion,
+// FMA by d·s. The same operations in the same order for every row: a row's result does not
+// depend on the batch, nor on whether its weights were unpacked in registers or read back.
+template <int NW, int MR>
+PS4_AVX2 PS4_INLINE void block_avx2(const __m256i (&sw)[NW], const __m256i (&aw)[NW], const float (&sc)[NW],
+                                    const QuantizedRows& q, int64_t r0, int64_t b, __m256 (&acc)[MR][NW]) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int64_t dstride = q.kq / kBlock;
+#pragma GCC unroll 4
+  for (int r = 0; r < MR; ++r) {
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.xq.data() + (r0 + r) * q.kq + b * kBlock));
+    const float d = q.d[(r0 + r) * dstride + b];
+#pragma GCC unroll 4
+    for (int j = 0; j < NW; ++j) {
+      const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw[j], _mm256_sign_epi8(xv, sw[j])), ones);
+      acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * sc[j]), acc[r][j]);
+    }
+  }
+}
+
+// NW weight rows from row o, unpacked into memory for tile_avx2_unpacked: per block of 32
+// inputs, each row's signed codes (`sw`, 32 bytes at [(b * NW + j) * 32]), their magnitudes
+// (`aw`, likewise) and the block's group scale (`sc[b * NW + j]`).
 template <int NW>
 PS4_AVX2 PS4_INLINE void unpack_avx2(const Int4Weights& w, int64_t o, int8_t* sw, int8_t* aw, float* sc) {
-  const __m128i low = _mm_set1_epi8(15);
-  const int64_t half = w.kp / 2;
   for (int64_t b = 0; b < w.kp / kBlock; ++b) {
     const int64_t g = b * kBlock / w.group;
 #pragma GCC unroll 4
     for (int j = 0; j < NW; ++j) {
-      const uint8_t* p = w.packed + (o + j) * half + b * 16;
-      _mm_prefetch(reinterpret_cast<const char*>(p) + 1024, _MM_HINT_T0);
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-      const __m256i codes = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low), _mm_and_si128(bytes, low));
-      const __m256i signed_codes = _mm256_sub_epi8(codes, _mm256_set1_epi8(static_cast<char>(w.zero(o + j, g))));
+      const __m256i signed_codes = signed_codes_avx2(w, o + j, b, g);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(sw + (b * NW + j) * 32), signed_codes);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(aw + (b * NW + j) * 32), _mm256_abs_epi8(signed_codes));
       sc[b * NW + j] = w.scale(o + j, g);
@@ -196,68 +222,47 @@ PS4_AVX2 PS4_INLINE void unpack_avx2(const Int4Weights& w, int64_t o, int8_t* sw
   }
 }
 
-// s[r][j] for MR activation rows from r0 against NW unpacked weight rows (unpack_avx2):
-// `vpmaddubsw` of |q - z| by xq with q - z's sign (llama.cpp's sign trick; pairs of at most
-// 15·127, never saturated), `vpmaddwd` by ones into int32, conversion, FMA by d·s. The same
-// operations in the same order for every row: a row's result does not depend on the batch.
+// s[r][j] for MR activation rows from r0 against NW weight rows unpacked by unpack_avx2.
 template <int NW, int MR>
 PS4_AVX2 PS4_INLINE void tile_avx2_unpacked(const int8_t* sw, const int8_t* aw, const float* sc, int64_t kp,
                                             const QuantizedRows& q, int64_t r0, float (*s)[4]) {
-  const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[MR][NW];
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < NW; ++j) acc[r][j] = _mm256_setzero_ps();
-  const int64_t dstride = q.kq / kBlock;
   for (int64_t b = 0; b < kp / kBlock; ++b) {
+    __m256i swb[NW], awb[NW];
+    float scb[NW];
 #pragma GCC unroll 4
-    for (int r = 0; r < MR; ++r) {
-      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.xq.data() + (r0 + r) * q.kq + b * kBlock));
-      const float d = q.d[(r0 + r) * dstride + b];
-#pragma GCC unroll 4
-      for (int j = 0; j < NW; ++j) {
-        const __m256i swj = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sw + (b * NW + j) * 32));
-        const __m256i awj = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(aw + (b * NW + j) * 32));
-        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(awj, _mm256_sign_epi8(xv, swj)), ones);
-        acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * sc[b * NW + j]), acc[r][j]);
-      }
+    for (int j = 0; j < NW; ++j) {
+      swb[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sw + (b * NW + j) * 32));
+      awb[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(aw + (b * NW + j) * 32));
+      scb[j] = sc[b * NW + j];
     }
+    block_avx2<NW, MR>(swb, awb, scb, q, r0, b, acc);
   }
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < NW; ++j) s[r][j] = sum_lanes_256(pinned(acc[r][j]));
 }
 
+// s[r][j] for MR activation rows from r0 against NW weight rows from o, each block unpacked in
+// registers: for a few activation rows (one group of at most 4), where unpacking into memory
+// would cost more than it saves.
 template <int NW, int MR>
 PS4_AVX2 PS4_INLINE void tile_avx2(const Int4Weights& w, int64_t o, const QuantizedRows& q, int64_t r0, float (*s)[4]) {
-  const __m128i low = _mm_set1_epi8(15);
-  const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[MR][NW];
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < NW; ++j) acc[r][j] = _mm256_setzero_ps();
-  const int64_t half = w.kp / 2, dstride = q.kq / kBlock;
   for (int64_t b = 0; b < w.kp / kBlock; ++b) {
     const int64_t g = b * kBlock / w.group;
     __m256i sw[NW], aw[NW];
     float sc[NW];
 #pragma GCC unroll 4
     for (int j = 0; j < NW; ++j) {
-      const uint8_t* p = w.packed + (o + j) * half + b * 16;
-      _mm_prefetch(reinterpret_cast<const char*>(p) + 1024, _MM_HINT_T0);
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-      const __m256i codes = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low), _mm_and_si128(bytes, low));
-      sw[j] = _mm256_sub_epi8(codes, _mm256_set1_epi8(static_cast<char>(w.zero(o + j, g))));
+      sw[j] = signed_codes_avx2(w, o + j, b, g);
       aw[j] = _mm256_abs_epi8(sw[j]);
       sc[j] = w.scale(o + j, g);
     }
-#pragma GCC unroll 4
-    for (int r = 0; r < MR; ++r) {
-      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.xq.data() + (r0 + r) * q.kq + b * kBlock));
-      const float d = q.d[(r0 + r) * dstride + b];
-#pragma GCC unroll 4
-      for (int j = 0; j < NW; ++j) {
-        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw[j], _mm256_sign_epi8(xv, sw[j])), ones);
-        acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * sc[j]), acc[r][j]);
-      }
-    }
+    block_avx2<NW, MR>(sw, aw, sc, q, r0, b, acc);
   }
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < NW; ++j) s[r][j] = sum_lanes_256(pinned(acc[r][j]));
@@ -271,102 +276,104 @@ PS4_AVX512 PS4_INLINE float sum_lanes_512(__m512 v) {
   return sum_lanes_256(h);
 }
 
-// NW weight rows from row o, unpacked for the VNNI product: per step of 64 inputs, each row's 64
-// codes as unsigned bytes q + (128 - z) (`codes[step * NW + j]`) and its two blocks' group scales
-// in the lanes of their blocks (`scales[step * NW + j]`): 64 bytes each.
+// The 64 inputs from k of weight row o, for the VNNI product (`two`: both blocks are there, else
+// only the first, the second's activations being zero; g0, g1: their groups): the codes as
+// unsigned bytes q + (128 - z) (`codes`) and the two blocks' group scales in the lanes of their
+// blocks (`scales`).
+PS4_AVX512 PS4_INLINE void unpack_step_512(const Int4Weights& w, int64_t o, int64_t k, bool two, int64_t g0,
+                                           int64_t g1, __m512i& codes, __m512& scales) {
+  const __m256i low = _mm256_set1_epi8(15);
+  const uint8_t* p = w.packed + o * (w.kp / 2) + k / 2;
+  _mm_prefetch(reinterpret_cast<const char*>(p) + 1024, _MM_HINT_T0);
+  const __m256i bytes = two ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                            : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i lo = _mm256_and_si256(bytes, low), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+  const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_permute2x128_si256(lo, hi, 0x20)),
+                                       _mm256_permute2x128_si256(lo, hi, 0x31), 1);
+  const __m512i offset = _mm512_inserti64x4(
+      _mm512_castsi256_si512(_mm256_set1_epi8(static_cast<char>(128 - w.zero(o, g0)))),
+      _mm256_set1_epi8(static_cast<char>(128 - w.zero(o, g1))), 1);
+  codes = _mm512_add_epi8(q, offset);
+  scales = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(w.scale(o, g0)), _mm512_set1_ps(w.scale(o, g1)));
+}
+
+// One step (64 inputs from k) of MR activation rows from r0 against NW weight rows (wu, sv as
+// unpack_step_512 makes them): `vpdpbusd` from -128·Σxq of each lane gives Σ (q - z)·xq
+// exactly; converted, times d·s, into that (row, weight row)'s float accumulator. The same
+// operations in the same order for every row, whatever MR, and whether the weights were
+// unpacked in registers or read back: a row's result is bitwise independent of the batch.
+template <int NW, int MR>
+PS4_AVX512 PS4_INLINE void step_512(const __m512i (&wu)[NW], const __m512 (&sv)[NW], const QuantizedRows& q,
+                                    int64_t r0, int64_t k, __m512 (&acc)[MR][NW]) {
+  const int64_t lstride = q.kq / 4;
+#pragma GCC unroll 4
+  for (int r = 0; r < MR; ++r) {
+    const __m512i xv = _mm512_loadu_si512(q.xq.data() + (r0 + r) * q.kq + k);
+    const __m512 dv = _mm512_loadu_ps(q.dl.data() + (r0 + r) * lstride + k / 4);
+    const __m512i cv = _mm512_loadu_si512(q.nc.data() + (r0 + r) * lstride + k / 4);
+#pragma GCC unroll 4
+    for (int j = 0; j < NW; ++j)
+      acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(cv, wu[j], xv)), _mm512_mul_ps(dv, sv[j]),
+                                  acc[r][j]);
+  }
+}
+
+// NW weight rows from row o, unpacked into memory for tile_512_unpacked: per step of 64 inputs,
+// each row's codes (`codes`, 64 bytes at [(step * NW + j) * 64]) and scales (`scales`, 16
+// floats at [(step * NW + j) * 16]).
 template <int NW>
 PS4_AVX512 PS4_INLINE void unpack_512(const Int4Weights& w, int64_t o, int8_t* codes, float* scales) {
-  const __m256i low = _mm256_set1_epi8(15);
-  const int64_t half = w.kp / 2;
   for (int64_t k = 0, i = 0; k < w.kp; k += kStep, ++i) {
-    const bool two = k + kStep <= w.kp;  // else one block left (its second half: zero activations)
+    const bool two = k + kStep <= w.kp;
     const int64_t g0 = k / w.group, g1 = two ? (k + kBlock) / w.group : g0;
 #pragma GCC unroll 4
     for (int j = 0; j < NW; ++j) {
-      const uint8_t* p = w.packed + (o + j) * half + k / 2;
-      _mm_prefetch(reinterpret_cast<const char*>(p) + 1024, _MM_HINT_T0);
-      const __m256i bytes = two ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
-                                : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-      const __m256i lo = _mm256_and_si256(bytes, low), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
-      const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_permute2x128_si256(lo, hi, 0x20)),
-                                           _mm256_permute2x128_si256(lo, hi, 0x31), 1);
-      const __m512i offset = _mm512_inserti64x4(
-          _mm512_castsi256_si512(_mm256_set1_epi8(static_cast<char>(128 - w.zero(o + j, g0)))),
-          _mm256_set1_epi8(static_cast<char>(128 - w.zero(o + j, g1))), 1);
-      _mm512_storeu_si512(codes + (i * NW + j) * 64, _mm512_add_epi8(q, offset));
-      _mm512_storeu_ps(scales + (i * NW + j) * 16, _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(w.scale(o + j, g0)),
-                                                                        _mm512_set1_ps(w.scale(o + j, g1))));
+      __m512i wu;
+      __m512 sv;
+      unpack_step_512(w, o + j, k, two, g0, g1, wu, sv);
+      _mm512_storeu_si512(codes + (i * NW + j) * 64, wu);
+      _mm512_storeu_ps(scales + (i * NW + j) * 16, sv);
     }
   }
 }
 
-// s[r][j] for MR activation rows from r0 against NW unpacked weight rows (unpack_512): per step
-// and row, `vpdpbusd` from -128·Σxq of each lane gives Σ (q - z)·xq exactly; converted, times
-// d·s, into that (row, weight row)'s float accumulator. The same operations in the same order
-// for every row, whatever MR: a row's result is bitwise independent of the batch.
+// s[r][j] for MR activation rows from r0 against NW weight rows unpacked by unpack_512.
 template <int NW, int MR>
 PS4_AVX512 PS4_INLINE void tile_512_unpacked(const int8_t* codes, const float* scales, int64_t kp,
                                              const QuantizedRows& q, int64_t r0, float (*s)[4]) {
   __m512 acc[MR][NW];
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < NW; ++j) acc[r][j] = _mm512_setzero_ps();
-  const int64_t lstride = q.kq / 4;
   for (int64_t k = 0, i = 0; k < kp; k += kStep, ++i) {
+    __m512i wu[NW];
+    __m512 sv[NW];
 #pragma GCC unroll 4
-    for (int r = 0; r < MR; ++r) {
-      const __m512i xv = _mm512_loadu_si512(q.xq.data() + (r0 + r) * q.kq + k);
-      const __m512 dv = _mm512_loadu_ps(q.dl.data() + (r0 + r) * lstride + k / 4);
-      const __m512i cv = _mm512_loadu_si512(q.nc.data() + (r0 + r) * lstride + k / 4);
-#pragma GCC unroll 4
-      for (int j = 0; j < NW; ++j)
-        acc[r][j] = _mm512_fmadd_ps(
-            _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(cv, _mm512_loadu_si512(codes + (i * NW + j) * 64), xv)),
-            _mm512_mul_ps(dv, _mm512_loadu_ps(scales + (i * NW + j) * 16)), acc[r][j]);
+    for (int j = 0; j < NW; ++j) {
+      wu[j] = _mm512_loadu_si512(codes + (i * NW + j) * 64);
+      sv[j] = _mm512_loadu_ps(scales + (i * NW + j) * 16);
     }
+    step_512<NW, MR>(wu, sv, q, r0, k, acc);
   }
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < NW; ++j) s[r][j] = sum_lanes_512(acc[r][j]);
 }
 
-// unpack_512 then tile_512_unpacked, with the unpacked rows in registers: for a few activation
-// rows (one group of at most 4), where unpacking into memory would cost more than it saves.
+// s[r][j] for MR activation rows from r0 against NW weight rows from o, each step unpacked in
+// registers: for a few activation rows (one group of at most 4), where unpacking into memory
+// would cost more than it saves.
 template <int NW, int MR>
 PS4_AVX512 PS4_INLINE void tile_512(const Int4Weights& w, int64_t o, const QuantizedRows& q, int64_t r0, float (*s)[4]) {
-  const __m256i low = _mm256_set1_epi8(15);
   __m512 acc[MR][NW];
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < NW; ++j) acc[r][j] = _mm512_setzero_ps();
-  const int64_t half = w.kp / 2, lstride = q.kq / 4;
   for (int64_t k = 0; k < w.kp; k += kStep) {
-    const bool two = k + kStep <= w.kp;  // else one block left (its second half: zero activations)
+    const bool two = k + kStep <= w.kp;
     const int64_t g0 = k / w.group, g1 = two ? (k + kBlock) / w.group : g0;
     __m512i wu[NW];
     __m512 sv[NW];
 #pragma GCC unroll 4
-    for (int j = 0; j < NW; ++j) {
-      const uint8_t* p = w.packed + (o + j) * half + k / 2;
-      _mm_prefetch(reinterpret_cast<const char*>(p) + 1024, _MM_HINT_T0);
-      const __m256i bytes = two ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
-                                : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-      const __m256i lo = _mm256_and_si256(bytes, low), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
-      const __m512i codes = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_permute2x128_si256(lo, hi, 0x20)),
-                                               _mm256_permute2x128_si256(lo, hi, 0x31), 1);
-      const __m512i offset = _mm512_inserti64x4(
-          _mm512_castsi256_si512(_mm256_set1_epi8(static_cast<char>(128 - w.zero(o + j, g0)))),
-          _mm256_set1_epi8(static_cast<char>(128 - w.zero(o + j, g1))), 1);
-      wu[j] = _mm512_add_epi8(codes, offset);
-      sv[j] = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(w.scale(o + j, g0)), _mm512_set1_ps(w.scale(o + j, g1)));
-    }
-#pragma GCC unroll 4
-    for (int r = 0; r < MR; ++r) {
-      const __m512i xv = _mm512_loadu_si512(q.xq.data() + (r0 + r) * q.kq + k);
-      const __m512 dv = _mm512_loadu_ps(q.dl.data() + (r0 + r) * lstride + k / 4);
-      const __m512i cv = _mm512_loadu_si512(q.nc.data() + (r0 + r) * lstride + k / 4);
-#pragma GCC unroll 4
-      for (int j = 0; j < NW; ++j)
-        acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(cv, wu[j], xv)),
-                                    _mm512_mul_ps(dv, sv[j]), acc[r][j]);
-    }
+    for (int j = 0; j < NW; ++j) unpack_step_512(w, o + j, k, two, g0, g1, wu[j], sv[j]);
+    step_512<NW, MR>(wu, sv, q, r0, k, acc);
   }
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < NW; ++j) s[r][j] = sum_lanes_512(acc[r][j]);
