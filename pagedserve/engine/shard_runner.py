@@ -35,6 +35,7 @@ from pagedserve.engine.parallel_group import TorchParallelGroup
 from pagedserve.engine.shm_all_reduce import SharedMemoryAllReduce, spin_microseconds
 from pagedserve.engine.step_inputs import kv_spec_for_rank, step_tensors
 from pagedserve.engine.tensor_parallel import (
+    EXIT_AFTER_COLLECTIVE_FAILURE,
     IDLE_WAIT,
     ShardInit,
     StepMessage,
@@ -135,7 +136,7 @@ def main() -> None:
     except RuntimeError as exc:  # a collective failed (gloo's errors are plain RuntimeErrors): rank 0 is
         # gone or gave up, or a rank hung; nothing left to serve
         logger.error("tensor-parallel rank %d stops: %s", init.rank, exc)
-        os._exit(1)
+        os._exit(EXIT_AFTER_COLLECTIVE_FAILURE)
     os._exit(0)
 
 

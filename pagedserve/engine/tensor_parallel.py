@@ -52,6 +52,10 @@ logger = logging.getLogger(__name__)
 #: none); rank 0's death ends the wait at once (its sockets close, and the rank's stdin)
 IDLE_WAIT = datetime.timedelta(days=365)
 
+#: a rank's exit code when one of its own collectives failed: it stopped because another rank
+#: (or rank 0) went wrong first, so rank 0 does not name it as the cause while it looks for one
+EXIT_AFTER_COLLECTIVE_FAILURE = 3
+
 
 class RankFailure(RuntimeError):
     """A rank died, hung past `tensor_parallel_timeout`, or never started: the worker must
@@ -158,10 +162,11 @@ class ShardRanks:
         logger.info("tensor parallelism: %d ranks over %s (rank pids %s)", self.world_size, self.group.backend,
                     [p.pid for p in self.processes])
 
-    def check_alive(self) -> None:
-        """Raise RankFailure naming a rank process that has exited."""
+    def check_alive(self, *, count_followers: bool = True) -> None:
+        """Raise RankFailure naming a rank process that has exited; with `count_followers`
+        false, not one that exited because its own collective failed (a consequence)."""
         for rank, process in enumerate(self.processes, start=1):
-            if (code := process.poll()) is not None:
+            if (code := process.poll()) is not None and (count_followers or code != EXIT_AFTER_COLLECTIVE_FAILURE):
                 raise RankFailure(f"tensor-parallel rank {rank} (pid {process.pid}) exited with code {code}")
 
     def wait_for(self, stage: str) -> None:
@@ -201,14 +206,16 @@ class ShardRanks:
     def failure(self, exc: BaseException) -> RankFailure:
         """What went wrong with the ranks after a step failed (they are out of step now),
         naming a rank that exited: a dead rank's sockets close a moment before its exit shows,
-        so a gloo error gets a second for it."""
+        so a gloo error gets a second for it. A rank that stopped because its own collective
+        failed is not named: when rank 0's collective times out on a hung rank, gloo's error
+        can reach the healthy ranks and end them within that second."""
         self.failed = True
         if isinstance(exc, RankFailure):
             return exc
         deadline = time.monotonic() + (0.0 if isinstance(exc, CollectiveTimeout) else 1.0)
         while True:
             try:
-                self.check_alive()
+                self.check_alive(count_followers=False)
             except RankFailure as failure:
                 return failure
             if time.monotonic() >= deadline:

@@ -214,3 +214,35 @@ def _exited(pid: int) -> bool:
     except ProcessLookupError:
         return True
     return False
+
+
+def test_a_rank_that_stopped_after_its_own_collective_failed_is_not_named_as_the_cause():
+    """Rank 0's collective timed out on a hung rank: a healthy rank whose collective then
+    failed too exits with EXIT_AFTER_COLLECTIVE_FAILURE, and the failure names the timeout,
+    not it; a rank that died on its own (killed) is still named."""
+    import datetime
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    def exited(code: int) -> subprocess.Popen:
+        process = subprocess.Popen([sys.executable, "-c", f"import os; os._exit({code})"])
+        process.wait()
+        return process
+
+    ranks = object.__new__(tensor_parallel.ShardRanks)  # only what `failure` reads
+    ranks.group = SimpleNamespace(timeout=datetime.timedelta(seconds=2))
+    follower = exited(tensor_parallel.EXIT_AFTER_COLLECTIVE_FAILURE)
+    ranks.processes, ranks.failed = [follower], False
+    failure = ranks.failure(RuntimeError("Timed out waiting 2000ms for recv"))
+    assert ranks.failed
+    assert str(failure).startswith("a tensor-parallel collective failed or timed out after 2 s (a rank hung?)")
+    with pytest.raises(RankFailure, match=f"rank 1 \\(pid {follower.pid}\\) exited with code 3"):
+        ranks.check_alive()  # outside a failure every exit counts
+
+    killed = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    killed.kill()
+    killed.wait()
+    ranks.processes = [follower, killed]
+    assert str(ranks.failure(RuntimeError("Connection closed by peer"))) == (
+        f"tensor-parallel rank 2 (pid {killed.pid}) exited with code -9")
