@@ -10,6 +10,9 @@ so that they stream from memory as in a decode step) for each row count M, alter
 - `tiles`: the register-tile kernel of the same file (`linear_rows_tiled`), whose bits are
   the same as `groups`;
 - `default choice`: what the fused step runs (tiles from 8 rows at depth ≥ 1024, else groups);
+- `packed`: the products over weights packed at load (csrc/cpu_packed_gemm.cpp, what the
+  engine runs by default on CPU in float32: one FMA chain per output, other bits than the
+  kernels above), on packed copies of the same weights;
 - `torch`: `F.linear` (torch's own BLAS: MKL or oneDNN), on the same weights.
 Prints the minimum and median ms of `--repeat` passes and GFLOP/s of the minimum
 (2·M·106.2 M multiply-adds a pass). Then checks whether `F.linear` is batch-invariant: does
@@ -56,8 +59,9 @@ def main() -> None:
     macs = sum(w.numel() for _, w in layers)
     print(f"one pass over the 120 linears ({macs * 4 / 1e6:.0f} MB float32), {args.threads} threads; "
           f"ms min / median of {args.repeat} passes (GFLOP/s of the min)")
-    print(f"{'M':>4} {'groups':>22} {'tiles':>22} {'default choice':>22} {'torch F.linear':>22}  "
-          "default/groups  default/torch")
+    packed = [(k, kernels.pack_linear_weight(w), w.shape[0]) for k, w in layers]
+    print(f"{'M':>4} {'groups':>22} {'tiles':>22} {'default choice':>22} {'packed':>22} {'torch F.linear':>22}  "
+          "default/groups  packed speed: x default  x torch")
     default_rows = kernels.set_linear_tile_rows(1, 1)
     try:
         for m in (int(r) for r in args.rows.split(",")):
@@ -67,13 +71,17 @@ def main() -> None:
                 for k, w in layers:
                     kernels.small_linear(xs[k], w)
 
+            def ours_packed(xs=xs):
+                for k, wp, n in packed:
+                    kernels.packed_linear(xs[k], wp, n)
+
             def theirs(xs=xs):
                 for k, w in layers:
                     F.linear(xs[k], w)
 
             results = {}
             for name, tile_rows, fn in (("groups", 1 << 30, ours), ("tiles", 1, ours), ("default", 0, ours),
-                                        ("torch", 1, theirs)):
+                                        ("packed", 1, ours_packed), ("torch", 1, theirs)):
                 if tile_rows == 0:
                     kernels.set_linear_tile_rows(*default_rows)
                 else:
@@ -81,8 +89,9 @@ def main() -> None:
                 results[name] = _pass_times(fn, args.repeat)
             flops = 2 * m * macs / 1e9
             cells = [f"{lo:8.2f} / {mid:7.2f} ({flops / lo * 1e3:5.1f})" for lo, mid in results.values()]
-            print(f"{m:>4} {cells[0]:>22} {cells[1]:>22} {cells[2]:>22} {cells[3]:>22}  "
-                  f"{results['default'][0] / results['groups'][0]:13.2f}x {results['default'][0] / results['torch'][0]:13.2f}x")
+            print(f"{m:>4} {cells[0]:>22} {cells[1]:>22} {cells[2]:>22} {cells[3]:>22} {cells[4]:>22}  "
+                  f"{results['default'][0] / results['groups'][0]:13.2f}x "
+                  f"{results['default'][0] / results['packed'][0]:22.2f}x {results['torch'][0] / results['packed'][0]:7.2f}x")
     finally:
         kernels.set_linear_tile_rows(*default_rows)
 

@@ -43,27 +43,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lengths", default="512,2048")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--no-pack-cpu-weights", action="store_true",
+                        help="torch's BLAS on the [out, in] weights instead of the packed product (the default)")
     args = parser.parse_args(argv)
 
     import torch
 
     from pagedserve import LLM, SamplingParams
     from pagedserve.bench.step_profile import _instrumented, _Timers
+    from pagedserve.kernels.cpu_packed import PackedLinear
 
     torch.set_num_threads(args.threads)
     lengths = [int(n) for n in args.lengths.split(",")]
     llm = LLM(args.model, max_num_batched_tokens=max(lengths), enable_prefix_caching=False,
-              kv_cache_memory=1 << 30, num_threads=args.threads)
+              kv_cache_memory=1 << 30, num_threads=args.threads, pack_cpu_weights=not args.no_pack_cpu_weights)
     engine = llm.engine
     model = engine.runner.model
     head = getattr(model, "lm_head", None)
-    linear_params = sum(m.weight.numel() for m in model.modules()
-                        if isinstance(m, torch.nn.Linear) and m is not head)
+    linear_params = sum(m.in_features * m.out_features for m in model.modules()
+                        if isinstance(m, (torch.nn.Linear, PackedLinear)) and m is not head)
     peak, how = fma_peak(args.threads)
     vocab = engine.hf_config.vocab_size
     generator = torch.Generator().manual_seed(0)
     print(f"{args.model}: {linear_params / 1e6:.1f} M weights in the decoder's linear layers; threads={args.threads} "
-          f"torch={torch.__version__}; FMA peak {peak:.0f} GFLOP/s = {how}")
+          f"torch={torch.__version__} pack_cpu_weights={not args.no_pack_cpu_weights}; FMA peak {peak:.0f} GFLOP/s = {how}")
     for n in lengths:
         steps, linears, attentions = [], [], []
         for r in range(args.rounds + 1):  # the first round warms up

@@ -38,7 +38,8 @@ def run_pagedserve(args, prompts, out_lens):
               max_num_seqs=int(str(args.max_num_seqs).split(",")[0]), enable_prefix_caching=not args.no_prefix_caching,
               kv_cache_memory=kv_bytes, quantization=getattr(args, "quantization", None),
               quantize_lm_head=getattr(args, "quantize_lm_head", False),
-              kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"), **speculative_options(args))
+              kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
+              pack_cpu_weights=not getattr(args, "no_pack_cpu_weights", False), **speculative_options(args))
     engine = llm.engine
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in out_lens]
     # warm-up on tokens no workload uses, so it leaves nothing in the prefix cache to hit
@@ -221,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
         plot_latency_curve(points, args.plot, f"pagedserve bench offline: {args.workload}, {args.dtype}")
     base = rows[0]
     print(f"workload={args.workload} model={args.model} dtype={args.dtype} "
-          f"quantization={getattr(args, 'quantization', None)} kv_cache_dtype={getattr(args, 'kv_cache_dtype', 'auto')} "
+          f"pack_cpu_weights={not getattr(args, 'no_pack_cpu_weights', False)} quantization={getattr(args, 'quantization', None)} kv_cache_dtype={getattr(args, 'kv_cache_dtype', 'auto')} "
           f"threads={args.threads} torch={torch.__version__}")
     print(f"{'system':30} {'seconds':>8} {'out tok/s':>10} {'total tok/s':>12} {'pagedserve x':>13} {'TTFT mean/median/p99 s':>24}")
     for r in rows:

@@ -11,7 +11,8 @@ output processor (detokenizing, stop strings) and the step's statistics. `host o
 is the step minus its linear layers: what a decode step costs beyond reading the weights.
 
 How the forward is split: the fused CPU step (kernels/cpu_decode.py) counts its own stages
-in C++; an eager forward is timed by hooks on every `nn.Linear` and around the attention
+in C++; an eager forward is timed by hooks on every linear layer (`nn.Linear`, packed, int8,
+int4) and around the attention
 backend, which add a few microseconds per call to `other`. The LM head runs in `sample`
 (`ModelRunner.compute_logits`); it is counted in `linear`, and `sample` is shown without it.
 """
@@ -83,6 +84,14 @@ class _Timers:
         return timed
 
 
+def _is_linear(module: nn.Module) -> bool:
+    """A linear layer: `nn.Linear`, or a leaf module that stands in for one (the packed CPU
+    linear, the int8 and int4 ones: each has in_features and out_features)."""
+    if isinstance(module, nn.Linear):
+        return True
+    return hasattr(module, "in_features") and hasattr(module, "out_features") and not any(module.children())
+
+
 @contextmanager
 def _instrumented(engine, timers: _Timers) -> Iterator[None]:
     """Time the engine's stages, the linear layers and attention; undone on exit."""
@@ -102,7 +111,7 @@ def _instrumented(engine, timers: _Timers) -> Iterator[None]:
     patch(runner.attention_backend, "forward", "attention")
     hooks = []
     for module in runner.model.modules():
-        if isinstance(module, nn.Linear):
+        if _is_linear(module):
             hooks.append(module.register_forward_pre_hook(lambda *_: timers.seconds.__setitem__(
                 "_linear_start", time.perf_counter()) if timers.on else None))
             hooks.append(module.register_forward_hook(lambda *_: timers.seconds.__setitem__(
@@ -197,12 +206,13 @@ def run_profile(args) -> int:
     tp = getattr(args, "tensor_parallel_size", 1)
     all_reduce = getattr(args, "tensor_parallel_all_reduce", "auto")
     print(f"model={args.model} dtype={args.dtype} threads={args.threads} tensor_parallel_size={tp} "
-          f"tensor_parallel_all_reduce={all_reduce} "
+          f"tensor_parallel_all_reduce={all_reduce} pack_cpu_weights={not getattr(args, 'no_pack_cpu_weights', False)} "
           f"torch={torch.__version__} "
           f"prompt={args.profile_prompt} tokens, {args.profile_steps} decode steps per batch")
     for eager in (False, True):
         llm = LLM(args.model, dtype=args.dtype, enforce_eager=eager, max_num_seqs=max(batches),
-                  enable_prefix_caching=False, tensor_parallel_size=tp, tensor_parallel_all_reduce=all_reduce)
+                  enable_prefix_caching=False, tensor_parallel_size=tp, tensor_parallel_all_reduce=all_reduce,
+                  pack_cpu_weights=not getattr(args, "no_pack_cpu_weights", False))
         profile_decode(llm.engine, 1, args.profile_prompt, 4, seed=99)  # warm-up
         profiles = [profile_decode(llm.engine, b, args.profile_prompt, args.profile_steps) for b in batches]
         print(f"\n{'eager (--enforce-eager)' if eager else 'default'}:")

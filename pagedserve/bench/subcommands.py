@@ -44,6 +44,9 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:
     offline.add_argument("--no-prefix-caching", action="store_true")
     offline.add_argument("--quantization", default=None, help="weight quantization at load time (int8)")
     offline.add_argument("--quantize-lm-head", action="store_true", help="with --quantization: the LM head too")
+    offline.add_argument("--no-pack-cpu-weights", action="store_true",
+                         help="CPU float32: keep the linears unpacked (torch's BLAS in prefill, the earlier kernels "
+                              "in the fused step), to compare with the packed default")
     offline.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 2GiB (default: the engine's)")
     offline.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3"],
                          help="KV cache element type (int8: rows with a float32 scale; fp8_e4m3: CUDA only)")

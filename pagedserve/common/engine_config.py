@@ -105,8 +105,17 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     fused_decode_max_batch: int = 256
     #: in the fused CPU step, float32 products (and the LM head) of this many rows and more call
     #: torch's BLAS instead of our batch-invariant kernels; 0: never. BLAS is faster there but
-    #: a row's bits then depend on its batch, as in the eager forward, which uses the same BLAS
+    #: a row's bits then depend on its batch. Unpacked weights only (pack_cpu_weights off):
+    #: packed ones always run the packed product
     fused_decode_blas_rows: int = 0
+    #: CPU float32: every linear layer's weight is packed at load into panels of 16 outputs
+    #: (kernels/cpu_packed.py) and multiplied by csrc/cpu_packed_gemm.cpp, in prefill and in the
+    #: fused decode step alike: batch-invariant at every size, and on an AVX2 EPYC (Zen 3)
+    #: 1.6x the fused step's earlier kernels at 64 rows and level with torch's BLAS from 16 rows
+    #: (docs/performance.md). No extra memory, except a tied LM head: the fused step packs its
+    #: own copy of it (vocab x hidden floats) while the embedding lookup keeps the original.
+    #: False: torch's BLAS in the eager forward, the earlier kernels in the fused step
+    pack_cpu_weights: bool = True
     #: weight quantization at load time: an entry point in pagedserve.quantization (int8:
     #: weight-only int8, one scale per output channel); None: the checkpoint's float weights
     quantization: str | None = None

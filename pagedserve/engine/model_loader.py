@@ -79,14 +79,17 @@ def _choose_int8_kernel(model: torch.nn.Module, asked: str) -> None:
 def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.device, kernels: Kernels,
                load_format: str = "auto", quantization: str | None = None,
                quantize_lm_head: bool = False, parallel: ParallelGroup | None = None,
-               int8_kernel: str = "auto", calibration: CalibrationRequest | None = None) -> torch.nn.Module:
+               int8_kernel: str = "auto", calibration: CalibrationRequest | None = None,
+               pack_cpu_weights: bool = False) -> torch.nn.Module:
     """The `pagedserve.models` plugin named by config.json's `architectures`, with weights:
     the checkpoint's (`auto`), or seeded random ones (`dummy`: a config.json and a
     tokenizer are enough, to measure a model whose weights are not at hand). With
     `quantization`, the `pagedserve.quantization` plugin of that name then quantizes its
     linear layers, fitted to `calibration`'s tokens when given (engine/calibration.py). With
     `parallel` (tensor parallelism) it holds this rank's shards. On CPU, int8 weights then run
-    the kernel `int8_kernel` picks (kernels/int8_kernel_choice.py)."""
+    the kernel `int8_kernel` picks (kernels/int8_kernel_choice.py). With `pack_cpu_weights`, a
+    float32 model on CPU gets its float linear layers packed (kernels/cpu_packed.py), where
+    the CPU extension builds."""
     prequantized = checkpoint_format(hf_config, quantization) if load_format != "dummy" else None
     if prequantized is not None and parallel is not None:
         raise InvalidParameterError("tensor_parallel_size", f"a {prequantized.method} checkpoint loads on one rank only")
@@ -131,6 +134,8 @@ def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.dev
                     time.perf_counter() - started)
         if device.type == "cpu":
             _choose_int8_kernel(model, int8_kernel)
+    if pack_cpu_weights and device.type == "cpu" and dtype == torch.float32:
+        _pack_linears(model)
     if (quantization is not None or prequantized is not None) and device.type == "cuda":
         # the float weights the quantized modules replaced go back to the device, so that the KV
         # pool, sized from the free memory, counts the packed weights and not the float ones
@@ -155,6 +160,19 @@ def checkpoint_format(hf_config, quantization: str | None = None) -> CheckpointF
         raise InvalidParameterError("quantization", f"the checkpoint is already quantized ({fmt.method}, "
                                                     f"its quantization_config); leave --quantization out")
     return fmt
+
+
+def _pack_linears(model: torch.nn.Module) -> None:
+    """The float32 linears in the packed layout of the CPU extension's product, if it builds."""
+    from pagedserve.kernels.cpu_attention import cpu_kernels
+    from pagedserve.kernels.cpu_packed import pack_linears
+
+    if cpu_kernels() is None:
+        logger.info("float32 linears stay unpacked: the CPU kernels could not be built")
+        return
+    started = time.perf_counter()
+    count = pack_linears(model)
+    logger.info("%d float32 linear layers packed for the CPU product in %.1f s", count, time.perf_counter() - started)
 
 
 def _register_quantized_kernels(device: torch.device, kernels: Kernels) -> None:

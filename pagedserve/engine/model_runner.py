@@ -78,7 +78,7 @@ class ModelRunner:
         parallel = self.ranks.group if self.ranks is not None else None
         self.model = load_model(model_dir, hf_config, self.dtype, self.device, self.kernels, config.load_format,
                                 config.quantization, config.quantize_lm_head, parallel, config.int8_kernel,
-                                CalibrationRequest.of(config))
+                                CalibrationRequest.of(config), config.pack_cpu_weights)
         self.vocab_size: int = hf_config.vocab_size
         self.block_size = config.block_size
 
@@ -134,10 +134,10 @@ class ModelRunner:
             return
         assert weights is not None  # checked above
         self.fused_decoder = FusedDecoder(weights, self.kv_caches, max_batch, blas_rows, max_query_len)
-        logger.info("decode steps of up to %d sequences run in the fused CPU step%s", self.fused_decoder.max_batch,
-                    f" (float32 products of {blas_rows} rows and more by torch's BLAS)"
-                    if 0 < blas_rows <= self.fused_decoder.max_batch
-                    else "")
+        blas = 0 < blas_rows <= self.fused_decoder.max_batch and not self.fused_decoder.packed
+        logger.info("decode steps of up to %d sequences run in the fused CPU step (float32 products: %s)",
+                    self.fused_decoder.max_batch, "packed" if self.fused_decoder.packed else
+                    f"torch's BLAS from {blas_rows} rows" if blas else "unpacked")
 
     @torch.inference_mode()
     def run(self, scheduler_output: SchedulerOutput) -> RunnerOutput:

@@ -65,7 +65,7 @@ class ShardRunner:
         self.block_size = config.block_size
         self.model = load_model(model_dir, hf_config, dtype, self.device, kernels, config.load_format,
                                 config.quantization, config.quantize_lm_head, self.group,
-                                config.int8_kernel)
+                                config.int8_kernel, pack_cpu_weights=config.pack_cpu_weights)
         spec = kv_spec_for_rank(hf_config, kv_cache_dtype, self.group)
         num_blocks = KVCachePool.num_blocks_for(spec, config.block_size, self.device, config.kv_cache_memory,
                                                 config.gpu_memory_utilization)

@@ -33,7 +33,8 @@ from pagedserve.kernels.torch_attention import TorchAttentionBackend
 logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "cpu_module.cpp", _CSRC / "cpu_paged_attention.cpp", _CSRC / "cpu_decode.cpp",
-            _CSRC / "cpu_int8_gemv.cpp", _CSRC / "cpu_int4_gemv.cpp", _CSRC / "cpu_shm_sync.cpp"]
+            _CSRC / "cpu_int8_gemv.cpp", _CSRC / "cpu_int4_gemv.cpp", _CSRC / "cpu_shm_sync.cpp",
+            _CSRC / "cpu_packed_gemm.cpp"]
 
 
 def _build_name() -> str:

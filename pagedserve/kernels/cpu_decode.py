@@ -2,9 +2,10 @@
 
 The CPU counterpart of the decode CUDA graphs: a decode step of a few sequences is almost
 all weight reads and host work between them. `FusedDecoder` runs the whole forward of such
-a step in csrc/cpu_decode.cpp — its own matrix products, which read the weights at about
-twice the speed of torch's batch-1 `F.linear` and, from 8 rows, run in register tiles
-(same bits, batch-invariant), and the element-wise work in the same loops, split across
+a step in csrc/cpu_decode.cpp — its own matrix products (over the weights the loader packed,
+kernels/cpu_packed.py, at every row count; with packing off, its earlier kernels, which read
+the weights at about twice the speed of torch's batch-1 `F.linear` and, from 8 rows, run in
+register tiles; batch-invariant either way), and the element-wise work in the same loops, split across
 threads by rows in large steps, with no Python or aten calls per layer. The runner uses it
 for decode-only steps of up to `fused_decode_max_batch` rows (and, with speculative decoding,
 for steps that verify drafts: each draft a row, see `FusedDecoder.forward`): 256 by default,
@@ -90,6 +91,13 @@ class FusedDecoder:
         self.max_query_len = max_query_len
         self.num_steps = 0  # decode steps run here (the rest ran the model's forward)
         self.lm_head = weights.lm_head
+        #: the LM head's output rows (the vocabulary); a packed head has them padded to 16
+        self.vocab_size = int(weights.embed.shape[0]) if weights.lm_head.dim() == 3 else int(weights.lm_head.shape[0])
+        #: the loader packed the float32 linears (kernels/cpu_packed.py): the products run packed
+        self.packed = weights.layers[0].qkv.dim() == 3
+        if self.packed and weights.lm_head.dim() == 2 and weights.lm_head.dtype == torch.float32:
+            # a tied head (the embedding, which the lookup needs unpacked): a packed copy of its own
+            self.lm_head = kernels.pack_linear_weight(weights.lm_head)
         self.lm_head_scale = weights.lm_head_scale
         self.lm_head_zeros = weights.lm_head_zeros
         layers = [[w.input_norm, w.qkv, w.qkv_bias, w.q_norm, w.k_norm, w.o_proj, w.post_norm, w.gate_up, w.down]
@@ -99,7 +107,8 @@ class FusedDecoder:
         self._impl = kernels.FusedDecoder(weights.embed, layers, weights.final_norm, weights.cos.float(),
                                           weights.sin.float(), weights.num_heads, weights.num_kv_heads,
                                           weights.head_dim, weights.rms_norm_eps)
-        #: from this many rows the float32 products (the LM head's too) run torch's BLAS (0: never)
+        #: from this many rows the unpacked float32 products (the LM head's too) run torch's BLAS
+        #: (0: never); packed weights always run the packed product
         self.blas_rows = blas_rows
         self._impl.set_blas_rows(blas_rows)
 
@@ -140,6 +149,8 @@ class FusedDecoder:
                                              None, group)
         if self.lm_head_scale is not None:
             return self._kernels.small_linear_int8(hidden.contiguous(), self.lm_head, self.lm_head_scale)
+        if self.lm_head.dim() == 3:  # packed: the same bits at every row count
+            return self._kernels.packed_linear(hidden.contiguous(), self.lm_head, self.vocab_size)
         if 0 < self.blas_rows <= hidden.shape[0]:
             return torch.mm(hidden, self.lm_head.t())
         return self._kernels.small_linear(hidden.contiguous(), self.lm_head)

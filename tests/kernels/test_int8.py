@@ -354,13 +354,14 @@ def test_int8_module_forward_equals_the_dequantized_linear(rows, with_kernels, m
 
 def test_plugin_replaces_every_projection_and_reports_bytes(tiny_checkpoint):
     from pagedserve import LLM
+    from pagedserve.kernels.cpu_packed import PackedLinear
 
     runner = LLM(str(tiny_checkpoint("llama-gqa")), kv_cache_memory=1 << 22, quantization="int8").engine.runner
     model = runner.model
     assert not any(isinstance(m, torch.nn.Linear) for m in model.layers.modules())
     quantized = [m for m in model.modules() if isinstance(m, Int8Linear)]
     assert len(quantized) == 2 * 4  # qkv, o, gate_up, down per layer
-    assert isinstance(model.lm_head, torch.nn.Linear)  # the LM head stays float by default
+    assert isinstance(model.lm_head, PackedLinear)  # the LM head stays float by default (packed on CPU)
     report = Int8Quantization().quantize(torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.ReLU()))
     assert (report.num_linear, report.float_bytes, report.quantized_bytes, report.lm_head) == (1, 8 * 16 * 4,
                                                                                               8 * 16 + 8 * 4, False)

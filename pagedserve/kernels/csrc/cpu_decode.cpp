@@ -6,6 +6,9 @@
 // the machines we measured (half of what two cores can stream), and an eager layer makes
 // about a hundred aten calls around its four products. `FusedDecoder` takes both away:
 //
+//  - float32 weights packed at load (kernels/cpu_packed.py, the default): the products of
+//    cpu_packed_gemm.cpp at every row count (`linear_any` tells a packed weight by its 3
+//    dimensions). Unpacked float32 weights (`--no-pack-cpu-weights`) run the kernels below.
 //  - `small_linear`: y = x·Wᵀ for a few rows, one pass over each weight row (contiguous,
 //    AVX-512 or AVX2 intrinsics, plain C++ elsewhere), split across torch's intra-op threads
 //    by output rows. Each weight vector is applied to up to 6 rows of x in registers, in an
@@ -50,6 +53,8 @@ int64_t int8_kernel_max_rows();
 void linear_rows_int8_int8(const float* x, int64_t m, int64_t in, const int8_t* w, const float* scale,
                            const float* bias, int64_t out, float* y);
 void quantize_kv_row_int8(const float* x, int64_t n, int8_t* row);  // cpu_paged_attention.cpp
+void linear_rows_packed(const float* x, int64_t m, int64_t in, const float* packed, const float* bias, int64_t out,
+                        float* y);  // cpu_packed_gemm.cpp
 void linear_rows_int4(const float* x, int64_t m, int64_t in, const uint8_t* packed, const float* scales,
                       const uint8_t* zeros, int64_t kp, int64_t group, const float* bias, int64_t out,
                       float* y);  // cpu_int4_gemv.cpp
@@ -448,10 +453,13 @@ void linear_rows_blas(const float* x, int64_t m, int64_t in, const torch::Tensor
 
 // y = x·wᵀ (+ bias) of m rows: float32 w, int8 w with one scale per row, or int4 w (uint8, two
 // codes a byte) with a scale (and a zero point, if `zeros` is defined) per group of inputs.
-// float32 w from `blas_rows` rows on (0: never) goes to torch's BLAS.
+// float32 w packed in panels ([ceil(out / 16), in, 16], 3-D) runs cpu_packed_gemm.cpp at
+// every row count; an unpacked float32 w from `blas_rows` rows on (0: never) goes to torch's BLAS.
 inline void linear_any(const float* x, int64_t m, int64_t in, const torch::Tensor& w, const torch::Tensor& scale,
                        const torch::Tensor& zeros, const float* bias, int64_t out, float* y, int64_t blas_rows = 0) {
-  if (scale.defined() && w.scalar_type() == at::kByte) {
+  if (w.dim() == 3) {
+    linear_rows_packed(x, m, in, w.data_ptr<float>(), bias, out, y);
+  } else if (scale.defined() && w.scalar_type() == at::kByte) {
     const int64_t kp = w.size(1) * 2;
     linear_rows_int4(x, m, in, w.data_ptr<uint8_t>(), scale.data_ptr<float>(),
                      zeros.defined() ? zeros.data_ptr<uint8_t>() : nullptr, kp, kp / scale.size(1), bias, out, y);
@@ -463,10 +471,17 @@ inline void linear_any(const float* x, int64_t m, int64_t in, const torch::Tenso
     linear_rows(x, m, in, w.data_ptr<float>(), bias, out, y);
 }
 
-// The weight of one projection: float32, int8 [out, in] with float32 scales [out], or int4:
-// uint8 [out, padded_in / 2] with float32 scales [out, groups] and optional uint8 zeros alike.
+// The weight of one projection: float32 [out, in] or packed [ceil(out / 16), in, 16], int8
+// [out, in] with float32 scales [out], or int4: uint8 [out, padded_in / 2] with float32 scales
+// [out, groups] and optional uint8 zeros alike.
 void check_weight(const torch::Tensor& w, const torch::Tensor& scale, const torch::Tensor& zeros, int64_t out,
                   int64_t in, const char* name) {
+  if (w.dim() == 3) {
+    TORCH_CHECK(!scale.defined() && !zeros.defined() && w.scalar_type() == at::kFloat && w.size(1) == in &&
+                    w.size(2) == 16 && w.size(0) == (out + 15) / 16,
+                name, ": a packed weight is float32 [ceil(out / 16), in, 16] with no scales");
+    return;
+  }
   if (scale.defined() && w.scalar_type() == at::kByte) {
     TORCH_CHECK(w.dim() == 2 && w.size(0) == out, name, ": int4 weight of the wrong shape");
     const int64_t kp = w.size(1) * 2;
@@ -564,7 +579,8 @@ class FusedDecoder {
     }
     hidden_size_ = embed_.size(1);
     const auto& first = layers_.at(0);
-    intermediate_ = first.gate_up.size(0) / 2;
+    // gate_up's rows (packed: its panels of 16 rows, so down's depth)
+    intermediate_ = first.gate_up.dim() == 3 ? first.down.size(1) : first.gate_up.size(0) / 2;
     q_size_ = num_heads_ * head_dim_;
     kv_size_ = num_kv_heads_ * head_dim_;
     for (const auto& L : layers_) {

@@ -1,6 +1,7 @@
 // The CPU extension module, built in one go by kernels/cpu_attention.py: the paged decode
 // attention kernel (cpu_paged_attention.cpp), the fused decode step (cpu_decode.cpp), the
-// int8 and int4 products (cpu_int8_gemv.cpp, cpu_int4_gemv.cpp) and the tensor-parallel
+// int8 and int4 products (cpu_int8_gemv.cpp, cpu_int4_gemv.cpp), the float32 products over
+// packed weights (cpu_packed_gemm.cpp) and the tensor-parallel
 // ranks' shared-memory counters (cpu_shm_sync.cpp).
 #include <torch/extension.h>
 
@@ -12,6 +13,7 @@ void bind_cpu_decode(pybind11::module& m);
 void bind_cpu_int8_gemv(pybind11::module& m);
 void bind_cpu_int4_gemv(pybind11::module& m);
 void bind_cpu_shm_sync(pybind11::module& m);
+void bind_cpu_packed_gemm(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (CPU)");
@@ -20,4 +22,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_cpu_int8_gemv(m);
   bind_cpu_int4_gemv(m);
   bind_cpu_shm_sync(m);
+  bind_cpu_packed_gemm(m);
 }

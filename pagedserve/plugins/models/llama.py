@@ -50,8 +50,12 @@ def _weight(module: nn.Module, name: str = "weight") -> torch.Tensor:
 
 
 def _weight_of(module: nn.Module) -> torch.Tensor:
-    """What a fused kernel reads of a linear: its weight, or an int4 linear's packed codes."""
-    return cast(torch.Tensor, module.qweight if hasattr(module, "qweight") else module.weight)
+    """What a fused kernel reads of a linear: its weight, an int4 linear's packed codes, or a
+    packed float32 linear's panels (kernels/cpu_packed.py: [ceil(out / 16), in, 16])."""
+    for name in ("qweight", "packed"):
+        if hasattr(module, name):
+            return cast(torch.Tensor, getattr(module, name))
+    return cast(torch.Tensor, module.weight)
 
 
 def _scale(linear: nn.Module) -> torch.Tensor | None:

@@ -1,0 +1,317 @@
+// float32 y = x·Wᵀ (+ bias) over weights packed at load, for any number of rows: the fused
+// decode step's products at every batch size (cpu_decode.cpp) and the eager forward's on CPU
+// (plugins/packed_linear.py).
+//
+// The layout: W [out, in] is cut into panels of kPanel = 16 output rows, and each panel is
+// stored k-major, [panels, in, 16] (the last panel zero-padded). One k of a panel is 16
+// contiguous floats: one AVX-512 vector or two AVX2 vectors of 16 outputs. The layout is the
+// same on every CPU, so a packed tensor does not depend on the instruction set.
+//
+// The order: each output y[r, o] is ONE chain of fused multiply-adds over k = 0, 1, ..., in-1,
+// starting from 0, then + bias[o]. Every kernel below (AVX-512, AVX2, plain C++) computes
+// exactly that chain, with the row's x[r, k] broadcast against the panel's 16 weights, so a
+// row's bits do not depend on how many rows share the call, which tile it lands in, which
+// kernel runs, or how many threads split the panels. This is the BLAS shape of a product
+// (outputs in the vector lanes, no horizontal sums), which the earlier kernels of
+// cpu_decode.cpp (k in the vector lanes, one dot product per output, summed by a tree) could
+// not take at many rows: per k step a tile of MR rows × NP panels loads NP weight vectors (two
+// with AVX2) and MR broadcasts for MR × NP (× 2) FMAs.
+//
+// Tiles: AVX2 has 16 ymm registers: 6 rows × 1 panel (12 accumulators) from 6 rows; fewer
+// rows take more panels so that at least 8 FMA chains hide the FMA latency (1 row × 4
+// panels). AVX-512 has 32: 8 rows × 3 panels (24 accumulators), 1 row × 8 panels. Each kernel
+// is compiled with a function-level target attribute, so one -march=native build holds the
+// ones this compiler knows, and `__builtin_cpu_supports` picks at run time.
+//
+// Loops: the panels are split across torch's intra-op threads; each thread runs blocks of rows
+// (as many as keep the block of x in about 192 KB of L2) against each of its panels, so a
+// panel (in × 64 bytes) is read from memory once per row block and stays in L2 for every tile
+// of the block.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define PSP_X86 1
+#define PSP_AVX2 __attribute__((target("avx2,fma")))
+#define PSP_AVX512 __attribute__((target("avx2,fma,avx512f")))
+#endif
+
+namespace {
+
+constexpr int64_t kPanel = 16;  // output rows per panel
+constexpr int64_t kBlockBytes = 192 << 10;  // the rows of x one block keeps in L2
+// Each k step of a tile reads one 64-byte line of each of its panels; the line kPrefetchBytes
+// ahead in the same panel is prefetched, so that a few rows, whose products cannot hide the
+// memory latency, still stream the weights at full speed.
+constexpr int64_t kPrefetchBytes = 4096;
+
+enum class Isa { kScalar, kAvx2, kAvx512 };
+
+Isa detect_isa() {
+#ifdef PSP_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f")) return Isa::kAvx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::kAvx2;
+#endif
+  return Isa::kScalar;
+}
+
+Isa forced_isa = Isa::kAvx512;  // set_packed_linear_isa: at most this one (tests compare them)
+
+Isa active_isa() {
+  static const Isa best = detect_isa();
+  return std::min(best, forced_isa);
+}
+
+// c[i, 0:np·16] = the chains of rows i < MR of x against panels 0..np-1 (np ≤ NP at run time
+// through the template), written to c with row stride ldc.
+template <int MR, int NP>
+void tile_scalar(const float* x, int64_t ldx, const float* w, int64_t in, int64_t panel_stride, float* c,
+                 int64_t ldc) {
+  for (int i = 0; i < MR; ++i)
+    for (int p = 0; p < NP; ++p) {
+      float acc[kPanel] = {};
+      const float* wp = w + p * panel_stride;
+      for (int64_t k = 0; k < in; ++k) {
+        const float xv = x[i * ldx + k];
+        for (int j = 0; j < kPanel; ++j) acc[j] = std::fma(xv, wp[k * kPanel + j], acc[j]);
+      }
+      std::memcpy(c + i * ldc + p * kPanel, acc, sizeof(acc));
+    }
+}
+
+#ifdef PSP_X86
+template <int MR, int NP>
+PSP_AVX2 void tile_avx2(const float* x, int64_t ldx, const float* w, int64_t in, int64_t panel_stride, float* c,
+                        int64_t ldc) {
+  __m256 acc[MR][NP][2];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+    for (int p = 0; p < NP; ++p) acc[i][p][0] = acc[i][p][1] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < in; ++k) {
+    __m256 w0[NP], w1[NP];
+#pragma GCC unroll 8
+    for (int p = 0; p < NP; ++p) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + p * panel_stride + k * kPanel) + kPrefetchBytes, _MM_HINT_T0);
+      w0[p] = _mm256_loadu_ps(w + p * panel_stride + k * kPanel);
+      w1[p] = _mm256_loadu_ps(w + p * panel_stride + k * kPanel + 8);
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const __m256 xv = _mm256_broadcast_ss(x + i * ldx + k);
+#pragma GCC unroll 8
+      for (int p = 0; p < NP; ++p) {
+        acc[i][p][0] = _mm256_fmadd_ps(xv, w0[p], acc[i][p][0]);
+        acc[i][p][1] = _mm256_fmadd_ps(xv, w1[p], acc[i][p][1]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+    for (int p = 0; p < NP; ++p) {
+      _mm256_storeu_ps(c + i * ldc + p * kPanel, acc[i][p][0]);
+      _mm256_storeu_ps(c + i * ldc + p * kPanel + 8, acc[i][p][1]);
+    }
+}
+
+template <int MR, int NP>
+PSP_AVX512 void tile_avx512(const float* x, int64_t ldx, const float* w, int64_t in, int64_t panel_stride, float* c,
+                            int64_t ldc) {
+  __m512 acc[MR][NP];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+    for (int p = 0; p < NP; ++p) acc[i][p] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < in; ++k) {
+    __m512 wv[NP];
+#pragma GCC unroll 8
+    for (int p = 0; p < NP; ++p) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + p * panel_stride + k * kPanel) + kPrefetchBytes, _MM_HINT_T0);
+      wv[p] = _mm512_loadu_ps(w + p * panel_stride + k * kPanel);
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const __m512 xv = _mm512_set1_ps(x[i * ldx + k]);
+#pragma GCC unroll 8
+      for (int p = 0; p < NP; ++p) acc[i][p] = _mm512_fmadd_ps(xv, wv[p], acc[i][p]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+    for (int p = 0; p < NP; ++p) _mm512_storeu_ps(c + i * ldc + p * kPanel, acc[i][p]);
+}
+#endif
+
+using TileFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*, int64_t);
+
+// The tile shapes: at most max_rows(isa) rows, and for mr rows at most max_panels(isa, mr)
+// panels (accumulators within the registers, and at least 8 FMA chains where the rows allow).
+constexpr int max_rows(Isa isa) { return isa == Isa::kAvx512 ? 8 : isa == Isa::kAvx2 ? 6 : 4; }
+constexpr int max_panels(Isa isa, int mr) {
+  if (isa == Isa::kAvx512) return mr == 1 ? 8 : mr == 2 ? 6 : mr <= 4 ? 4 : 3;  // ≤ 24 zmm accumulators
+  if (isa == Isa::kAvx2) return mr == 1 ? 4 : mr == 2 ? 3 : mr == 3 ? 2 : 1;  // 2 ymm a panel: ≤ 12
+  return 1;
+}
+
+template <Isa I, int MR, int NP>
+TileFn tile_fn() {
+#ifdef PSP_X86
+  if constexpr (I == Isa::kAvx512) return &tile_avx512<MR, NP>;
+  if constexpr (I == Isa::kAvx2) return &tile_avx2<MR, NP>;
+#endif
+  return &tile_scalar<MR, NP>;
+}
+
+// The kernel of mr rows × np panels (within the bounds above), through templates instantiated
+// only for the shapes that run.
+template <Isa I, int MR, int NP = 1>
+TileFn pick_np(int np) {
+  if constexpr (NP < max_panels(I, MR)) {
+    if (np != NP) return pick_np<I, MR, NP + 1>(np);
+  }
+  return tile_fn<I, MR, NP>();
+}
+
+template <Isa I, int MR = 1>
+TileFn pick_rows(int mr, int np) {
+  if constexpr (MR < max_rows(I)) {
+    if (mr != MR) return pick_rows<I, MR + 1>(mr, np);
+  }
+  return pick_np<I, MR>(np);
+}
+
+TileFn pick(Isa isa, int mr, int np) {
+  if (isa == Isa::kAvx512) return pick_rows<Isa::kAvx512>(mr, np);
+  if (isa == Isa::kAvx2) return pick_rows<Isa::kAvx2>(mr, np);
+  return pick_rows<Isa::kScalar>(mr, np);
+}
+
+// The tile shape for m rows: (rows per tile, panels per tile).
+std::pair<int, int> tile_shape(Isa isa, int64_t m) {
+  const int mr = static_cast<int>(std::min<int64_t>(m, max_rows(isa)));
+  return {mr, max_panels(isa, mr)};
+}
+
+constexpr int kMaxMR = 8, kMaxNP = 8;  // the largest of the bounds above (the output buffer)
+
+}  // namespace
+
+int64_t packed_panel_rows() { return kPanel; }
+
+// y[r, o] = x[r, :] · W[o, :] (+ bias[o]) for r < m, o < out, from W packed as [panels, in, 16].
+void linear_rows_packed(const float* x, int64_t m, int64_t in, const float* packed, const float* bias, int64_t out,
+                        float* y) {
+  if (m <= 0) return;
+  const Isa isa = active_isa();
+  const auto [tm, tp] = tile_shape(isa, m);
+  const int64_t panels = (out + kPanel - 1) / kPanel;
+  const int64_t panel_stride = in * kPanel;
+  const int64_t block_rows = std::max<int64_t>(tm, kBlockBytes / (in * 4) / tm * tm);
+  const int64_t tiles = (panels + tp - 1) / tp;  // groups of tp panels, split across threads
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    float c[kMaxMR * kMaxNP * kPanel];
+    const int64_t ldc = tp * kPanel;
+    for (int64_t r0 = 0; r0 < m; r0 += block_rows) {
+      const int64_t r1 = std::min(m, r0 + block_rows);
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t p0 = t * tp;
+        const int np = static_cast<int>(std::min<int64_t>(tp, panels - p0));
+        const int64_t o0 = p0 * kPanel, on = std::min<int64_t>(np * kPanel, out - o0);
+        for (int64_t r = r0; r < r1; r += tm) {
+          const int mr = static_cast<int>(std::min<int64_t>(tm, r1 - r));
+          pick(isa, mr, np)(x + r * in, in, packed + p0 * panel_stride, in, panel_stride, c, ldc);
+          for (int i = 0; i < mr; ++i) {
+            float* yr = y + (r + i) * out + o0;
+            const float* cr = c + i * ldc;
+            if (bias) {
+              for (int64_t j = 0; j < on; ++j) yr[j] = cr[j] + bias[o0 + j];
+            } else {
+              std::memcpy(yr, cr, on * sizeof(float));
+            }
+          }
+        }
+      }
+    }
+  });
+}
+
+// W [out, in] float32 → [ceil(out / 16), in, 16], zero-padded.
+torch::Tensor pack_linear_weight(torch::Tensor w) {
+  TORCH_CHECK(w.scalar_type() == at::kFloat && w.dim() == 2, "pack_linear_weight: a float32 [out, in] weight");
+  auto wc = w.contiguous();
+  const int64_t out = w.size(0), in = w.size(1), panels = (out + kPanel - 1) / kPanel;
+  auto packed = torch::zeros({panels, in, kPanel}, w.options());
+  const float* src = wc.data_ptr<float>();
+  float* dst = packed.data_ptr<float>();
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p)
+      for (int64_t j = 0; j < kPanel && p * kPanel + j < out; ++j)
+        for (int64_t k = 0; k < in; ++k) dst[(p * in + k) * kPanel + j] = src[(p * kPanel + j) * in + k];
+  });
+  return packed;
+}
+
+// The [out, in] weight back out of its packing (for loaders and tests).
+torch::Tensor unpack_linear_weight(torch::Tensor packed, int64_t out) {
+  TORCH_CHECK(packed.scalar_type() == at::kFloat && packed.dim() == 3 && packed.size(2) == kPanel &&
+                  out > (packed.size(0) - 1) * kPanel && out <= packed.size(0) * kPanel,
+              "unpack_linear_weight: a packed [ceil(out / 16), in, 16] float32 weight");
+  return packed.permute({0, 2, 1}).reshape({-1, packed.size(1)}).slice(0, 0, out).contiguous();
+}
+
+// y = x·Wᵀ (+ bias), x float32 [m, in], W packed by pack_linear_weight, out its row count.
+torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t out, const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat, "packed_linear is float32 only");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.is_contiguous() &&
+                  out > (packed.size(0) - 1) * kPanel && out <= packed.size(0) * kPanel,
+              "packed_linear: W packed as [ceil(out / 16), in, 16]");
+  TORCH_CHECK(x.size(-1) == packed.size(1), "packed_linear: x's last dimension is the weight's input size");
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->numel() == out),
+              "packed_linear: float32 bias [out]");
+  auto sizes = x.sizes().vec();
+  auto xc = x.reshape({-1, x.size(-1)}).contiguous();
+  sizes.back() = out;
+  auto y = torch::empty({xc.size(0), out}, x.options());
+  torch::Tensor bc = bias.has_value() ? bias->contiguous() : torch::Tensor();
+  linear_rows_packed(xc.data_ptr<float>(), xc.size(0), xc.size(1), packed.data_ptr<float>(),
+                     bc.defined() ? bc.data_ptr<float>() : nullptr, out, y.data_ptr<float>());
+  return y.view(sizes);
+}
+
+TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
+  m.def("packed_linear(Tensor x, Tensor packed, int out, Tensor? bias=None) -> Tensor");
+  m.def("pack_linear_weight(Tensor w) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
+  m.impl("packed_linear", &packed_linear);
+  m.impl("pack_linear_weight", &pack_linear_weight);
+}
+
+void bind_cpu_packed_gemm(pybind11::module& m) {
+  m.def("packed_linear", &packed_linear, "y = x·Wᵀ (+ bias) over a weight packed by pack_linear_weight",
+        pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("out"), pybind11::arg("bias") = pybind11::none());
+  m.def("pack_linear_weight", &pack_linear_weight, "float32 [out, in] → [ceil(out / 16), in, 16], zero-padded");
+  m.def("unpack_linear_weight", &unpack_linear_weight, "the [out, in] weight of a packed one");
+  m.def("packed_linear_isa", []() {
+    switch (active_isa()) {
+      case Isa::kAvx512: return "avx512";
+      case Isa::kAvx2: return "avx2";
+      default: return "scalar";
+    }
+  }, "the packed product's kernel in use: avx512, avx2 or scalar");
+  m.def("set_packed_linear_isa", [](const std::string& name) {
+    TORCH_CHECK(name == "avx512" || name == "avx2" || name == "scalar",
+                "set_packed_linear_isa: avx512, avx2 or scalar (the best this CPU runs is used when asked for more)");
+    forced_isa = name == "avx512" ? Isa::kAvx512 : name == "avx2" ? Isa::kAvx2 : Isa::kScalar;
+  }, "at most this kernel (tests compare them); every kernel gives the same bits", pybind11::arg("name"));
+}
