@@ -111,7 +111,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     #: CPU float32: every linear layer's weight is packed at load into panels of 16 outputs
     #: (kernels/cpu_packed.py) and multiplied by csrc/cpu_packed_gemm.cpp, in prefill and in the
     #: fused decode step alike: batch-invariant at every size, and on an AVX2 EPYC (Zen 3)
-    #: 1.6x the fused step's earlier kernels at 64 rows and level with torch's BLAS from 16 rows
+    #: 1.2-2.0x the fused step's earlier kernels and 1.8-4.4x torch's F.linear from 1 to 64 rows
     #: (docs/performance.md). No extra memory, except a tied LM head: the fused step packs its
     #: own copy of it (vocab x hidden floats) while the embedding lookup keeps the original.
     #: False: torch's BLAS in the eager forward, the earlier kernels in the fused step
