@@ -35,7 +35,9 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
-    common = dict(max_num_seqs=max(batches), enable_prefix_caching=False, kv_cache_memory=1 << 30)
+    # unpacked float32 weights (packed ones ignore blas rows); the packed default is `bench offline --profile`
+    common = dict(max_num_seqs=max(batches), enable_prefix_caching=False, kv_cache_memory=1 << 30,
+                  pack_cpu_weights=False)
     engines = {
         "eager": LLM(args.model, enforce_eager=True, **common),
         "fused": LLM(args.model, fused_decode_max_batch=max(batches), **common),

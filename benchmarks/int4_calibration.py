@@ -58,7 +58,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
 
-    engine = Engine(EngineConfig(model=args.model, num_threads=args.threads))
+    # unpacked float32 linears: the variants are written into each nn.Linear's weight
+    engine = Engine(EngineConfig(model=args.model, num_threads=args.threads, pack_cpu_weights=False))
     runner, model = engine.runner, engine.runner.model
     evaluated = text_tokens(engine, default_text(), args.eval_tokens)
 

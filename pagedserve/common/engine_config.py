@@ -113,7 +113,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     #: fused decode step alike: batch-invariant at every size, and on an AVX2 EPYC (Zen 3)
     #: 1.2-2.0x the fused step's earlier kernels and 1.8-4.4x torch's F.linear from 1 to 64 rows
     #: (docs/performance.md). No extra memory, except a tied LM head: the fused step packs its
-    #: own copy of it (vocab x hidden floats) while the embedding lookup keeps the original.
+    #: own copy of it (vocab x hidden floats) while the embedding lookup keeps the original;
+    #: outside the fused step a tied head's logits still come from torch's F.linear
     #: False: torch's BLAS in the eager forward, the earlier kernels in the fused step
     pack_cpu_weights: bool = True
     #: weight quantization at load time: an entry point in pagedserve.quantization (int8:

@@ -10,8 +10,9 @@ packed tensors (kernels/cpu_decode.py). The weight is not kept in its [out, in] 
 well: packing costs no memory.
 
 A tied LM head is the embedding, which the lookup needs as [vocab, hidden]: it stays as it
-is in the model, and the fused step packs its own copy (`pack_weight`) when asked to
-(`EngineConfig.pack_cpu_weights`).
+is in the model, and the fused step packs its own copy (`pack_weight`). Outside the fused
+step (--enforce-eager, other attention backends, tensor parallelism) a tied head's logits
+still come from torch's `F.linear` on the embedding: those are not batch-invariant.
 """
 
 from __future__ import annotations
@@ -59,10 +60,12 @@ def pack_linears(model: nn.Module) -> int:
     """Replace each float32 `nn.Linear` of `model` (on CPU) with a PackedLinear; returns how
     many. Quantized linears (not `nn.Linear`) are left as they are. The CPU extension must be
     loaded (kernels/cpu_attention.cpu_kernels)."""
-    replaced = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and child.weight.dtype == torch.float32 and child.weight.device.type == "cpu":
-                setattr(parent, name, PackedLinear(child))
-                replaced += 1
-    return replaced
+    # the places first, by name, so that no list holds the replaced linears: each one's float
+    # weight is freed as soon as its packed copy takes its place (peak: one layer's weight more)
+    places = [(parent_name, name) for parent_name, parent in model.named_modules()
+              for name, child in parent.named_children()
+              if type(child) is nn.Linear and child.weight.dtype == torch.float32 and child.weight.device.type == "cpu"]
+    for parent_name, name in places:
+        parent = model.get_submodule(parent_name)
+        setattr(parent, name, PackedLinear(getattr(parent, name)))
+    return len(places)

@@ -114,7 +114,8 @@ def test_fused_steps_with_blas_products_keep_the_eager_ids(tiny_checkpoint, mode
     model_dir = str(tiny_checkpoint(model_name))
     prompts = mixed_prompts(10, seed=3)
     lengths = [5 + i % 4 for i in range(10)]
-    options = dict(kv_cache_memory=1 << 23, max_num_batched_tokens=2048)
+    # unpacked weights: packed ones always run the packed product, whatever blas_rows says
+    options = dict(kv_cache_memory=1 << 23, max_num_batched_tokens=2048, pack_cpu_weights=False)
     expected = _greedy(LLM(model_dir, enforce_eager=True, **options), prompts, lengths)
     llm = LLM(model_dir, fused_decode_max_batch=256, fused_decode_blas_rows=4, **options)
     fused = llm.engine.runner.fused_decoder
@@ -129,7 +130,8 @@ def test_fused_steps_with_blas_products_keep_the_eager_ids(tiny_checkpoint, mode
     fused.forward = counting
     assert _greedy(llm, prompts, lengths) == expected
     assert max(calls) == 10 and min(calls) < 4  # both kinds of step ran
-    assert_fused_step_equals_eager(LLM(model_dir, fused_decode_blas_rows=1, kv_cache_memory=1 << 22).engine)
+    assert_fused_step_equals_eager(LLM(model_dir, fused_decode_blas_rows=1, kv_cache_memory=1 << 22,
+                                       pack_cpu_weights=False).engine)
 
 
 def test_blas_rows_must_not_be_negative():

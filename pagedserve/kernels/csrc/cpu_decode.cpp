@@ -53,8 +53,13 @@ int64_t int8_kernel_max_rows();
 void linear_rows_int8_int8(const float* x, int64_t m, int64_t in, const int8_t* w, const float* scale,
                            const float* bias, int64_t out, float* y);
 void quantize_kv_row_int8(const float* x, int64_t n, int8_t* row);  // cpu_paged_attention.cpp
+// cpu_packed_gemm.cpp: the float32 products over packed weights (its torch operators are below)
 void linear_rows_packed(const float* x, int64_t m, int64_t in, const float* packed, const float* bias, int64_t out,
-                        float* y);  // cpu_packed_gemm.cpp
+                        float* y);
+void pack_linear_rows(const float* src, int64_t out, int64_t in, float* dst);
+const char* packed_linear_isa();
+bool set_packed_linear_isa(const std::string& name);
+constexpr int64_t kPackedPanel = 16;  // output rows per panel, as cpu_packed_gemm.cpp's kPanel
 void linear_rows_int4(const float* x, int64_t m, int64_t in, const uint8_t* packed, const float* scales,
                       const uint8_t* zeros, int64_t kp, int64_t group, const float* bias, int64_t out,
                       float* y);  // cpu_int4_gemv.cpp
@@ -801,4 +806,64 @@ void bind_cpu_decode(pybind11::module& m) {
       .def("take_profile", &FusedDecoder::take_profile)
       .def("set_profile", &FusedDecoder::set_profile)
       .def("set_blas_rows", &FusedDecoder::set_blas_rows);
+}
+
+// The products over packed weights (cpu_packed_gemm.cpp) as torch operators and Python functions.
+torch::Tensor pack_linear_weight(torch::Tensor w) {
+  TORCH_CHECK(w.scalar_type() == at::kFloat && w.dim() == 2, "pack_linear_weight: a float32 [out, in] weight");
+  auto wc = w.contiguous();
+  const int64_t out = w.size(0), in = w.size(1), panels = (out + kPackedPanel - 1) / kPackedPanel;
+  auto packed = torch::empty({panels, in, kPackedPanel}, w.options());
+  pack_linear_rows(wc.data_ptr<float>(), out, in, packed.data_ptr<float>());
+  return packed;
+}
+
+// The [out, in] weight back out of its packing (for loaders and tests).
+torch::Tensor unpack_linear_weight(torch::Tensor packed, int64_t out) {
+  TORCH_CHECK(packed.scalar_type() == at::kFloat && packed.dim() == 3 && packed.size(2) == kPackedPanel &&
+                  out > (packed.size(0) - 1) * kPackedPanel && out <= packed.size(0) * kPackedPanel,
+              "unpack_linear_weight: a packed [ceil(out / 16), in, 16] float32 weight");
+  return packed.permute({0, 2, 1}).reshape({-1, packed.size(1)}).slice(0, 0, out).contiguous();
+}
+
+// y = x·Wᵀ (+ bias), x float32 [m, in], W packed by pack_linear_weight, out its row count.
+torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t out, const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat, "packed_linear is float32 only");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPackedPanel && packed.is_contiguous() &&
+                  out > (packed.size(0) - 1) * kPackedPanel && out <= packed.size(0) * kPackedPanel,
+              "packed_linear: W packed as [ceil(out / 16), in, 16]");
+  TORCH_CHECK(x.size(-1) == packed.size(1), "packed_linear: x's last dimension is the weight's input size");
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->numel() == out),
+              "packed_linear: float32 bias [out]");
+  auto sizes = x.sizes().vec();
+  auto xc = x.reshape({-1, x.size(-1)}).contiguous();
+  sizes.back() = out;
+  auto y = torch::empty({xc.size(0), out}, x.options());
+  torch::Tensor bc = bias.has_value() ? bias->contiguous() : torch::Tensor();
+  linear_rows_packed(xc.data_ptr<float>(), xc.size(0), xc.size(1), packed.data_ptr<float>(),
+                     bc.defined() ? bc.data_ptr<float>() : nullptr, out, y.data_ptr<float>());
+  return y.view(sizes);
+}
+
+TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
+  m.def("packed_linear(Tensor x, Tensor packed, int out, Tensor? bias=None) -> Tensor");
+  m.def("pack_linear_weight(Tensor w) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
+  m.impl("packed_linear", &packed_linear);
+  m.impl("pack_linear_weight", &pack_linear_weight);
+}
+
+void bind_cpu_packed_gemm(pybind11::module& m) {
+  m.def("packed_linear", &packed_linear, "y = x·Wᵀ (+ bias) over a weight packed by pack_linear_weight",
+        pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("out"), pybind11::arg("bias") = pybind11::none());
+  m.def("pack_linear_weight", &pack_linear_weight, "float32 [out, in] → [ceil(out / 16), in, 16], zero-padded");
+  m.def("unpack_linear_weight", &unpack_linear_weight, "the [out, in] weight of a packed one");
+  m.def("packed_linear_isa", []() { return std::string(packed_linear_isa()); },
+        "the packed product's kernel in use: avx512, avx2 or scalar");
+  m.def("set_packed_linear_isa", [](const std::string& name) {
+    TORCH_CHECK(set_packed_linear_isa(name),
+                "set_packed_linear_isa: avx512, avx2 or scalar (the best this CPU runs is used when asked for more)");
+  }, "at most this kernel (tests compare them); every kernel gives the same bits", pybind11::arg("name"));
 }

@@ -1,6 +1,6 @@
 // float32 y = x·Wᵀ (+ bias) over weights packed at load, for any number of rows: the fused
 // decode step's products at every batch size (cpu_decode.cpp) and the eager forward's on CPU
-// (plugins/packed_linear.py).
+// (kernels/cpu_packed.py).
 //
 // The layout: W [out, in] is cut into panels of kPanel = 16 output rows, and each panel is
 // stored k-major, [panels, in, 16] (the last panel zero-padded). One k of a panel is 16
@@ -27,13 +27,17 @@
 // (as many as keep the block of x in about 192 KB of L2) against each of its panels, so a
 // panel (in × 64 bytes) is read from memory once per row block and stays in L2 for every tile
 // of the block.
-#include <torch/extension.h>
+// Only ATen/Parallel.h of torch is included here: torch/extension.h alone costs about a
+// minute of compile time per file, and the workers build this at their first start. The torch
+// operators and Python bindings over these functions are in cpu_decode.cpp.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
+#include <utility>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -211,8 +215,14 @@ int64_t packed_panel_rows() { return kPanel; }
 void linear_rows_packed(const float* x, int64_t m, int64_t in, const float* packed, const float* bias, int64_t out,
                         float* y) {
   if (m <= 0) return;
+  if (in == 0) {  // empty sums: the bias alone
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t o = 0; o < out; ++o) y[r * out + o] = bias ? bias[o] : 0.f;
+    return;
+  }
   const Isa isa = active_isa();
-  const auto [tm, tp] = tile_shape(isa, m);
+  const auto shape = tile_shape(isa, m);
+  const int tm = shape.first, tp = shape.second;  // plain ints: a lambda may capture them
   const int64_t panels = (out + kPanel - 1) / kPanel;
   const int64_t panel_stride = in * kPanel;
   const int64_t block_rows = std::max<int64_t>(tm, kBlockBytes / (in * 4) / tm * tm);
@@ -245,73 +255,30 @@ void linear_rows_packed(const float* x, int64_t m, int64_t in, const float* pack
 }
 
 // W [out, in] float32 → [ceil(out / 16), in, 16], zero-padded.
-torch::Tensor pack_linear_weight(torch::Tensor w) {
-  TORCH_CHECK(w.scalar_type() == at::kFloat && w.dim() == 2, "pack_linear_weight: a float32 [out, in] weight");
-  auto wc = w.contiguous();
-  const int64_t out = w.size(0), in = w.size(1), panels = (out + kPanel - 1) / kPanel;
-  auto packed = torch::zeros({panels, in, kPanel}, w.options());
-  const float* src = wc.data_ptr<float>();
-  float* dst = packed.data_ptr<float>();
+// W [out, in] (row-major) → dst [ceil(out / 16), in, 16], zero-padded (dst holds that many floats).
+void pack_linear_rows(const float* src, int64_t out, int64_t in, float* dst) {
+  const int64_t panels = (out + kPanel - 1) / kPanel;
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p)
+    for (int64_t p = begin; p < end; ++p) {
+      std::memset(dst + p * in * kPanel, 0, in * kPanel * sizeof(float));
       for (int64_t j = 0; j < kPanel && p * kPanel + j < out; ++j)
         for (int64_t k = 0; k < in; ++k) dst[(p * in + k) * kPanel + j] = src[(p * kPanel + j) * in + k];
-  });
-  return packed;
-}
-
-// The [out, in] weight back out of its packing (for loaders and tests).
-torch::Tensor unpack_linear_weight(torch::Tensor packed, int64_t out) {
-  TORCH_CHECK(packed.scalar_type() == at::kFloat && packed.dim() == 3 && packed.size(2) == kPanel &&
-                  out > (packed.size(0) - 1) * kPanel && out <= packed.size(0) * kPanel,
-              "unpack_linear_weight: a packed [ceil(out / 16), in, 16] float32 weight");
-  return packed.permute({0, 2, 1}).reshape({-1, packed.size(1)}).slice(0, 0, out).contiguous();
-}
-
-// y = x·Wᵀ (+ bias), x float32 [m, in], W packed by pack_linear_weight, out its row count.
-torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t out, const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat, "packed_linear is float32 only");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.is_contiguous() &&
-                  out > (packed.size(0) - 1) * kPanel && out <= packed.size(0) * kPanel,
-              "packed_linear: W packed as [ceil(out / 16), in, 16]");
-  TORCH_CHECK(x.size(-1) == packed.size(1), "packed_linear: x's last dimension is the weight's input size");
-  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->numel() == out),
-              "packed_linear: float32 bias [out]");
-  auto sizes = x.sizes().vec();
-  auto xc = x.reshape({-1, x.size(-1)}).contiguous();
-  sizes.back() = out;
-  auto y = torch::empty({xc.size(0), out}, x.options());
-  torch::Tensor bc = bias.has_value() ? bias->contiguous() : torch::Tensor();
-  linear_rows_packed(xc.data_ptr<float>(), xc.size(0), xc.size(1), packed.data_ptr<float>(),
-                     bc.defined() ? bc.data_ptr<float>() : nullptr, out, y.data_ptr<float>());
-  return y.view(sizes);
-}
-
-TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
-  m.def("packed_linear(Tensor x, Tensor packed, int out, Tensor? bias=None) -> Tensor");
-  m.def("pack_linear_weight(Tensor w) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
-  m.impl("packed_linear", &packed_linear);
-  m.impl("pack_linear_weight", &pack_linear_weight);
-}
-
-void bind_cpu_packed_gemm(pybind11::module& m) {
-  m.def("packed_linear", &packed_linear, "y = x·Wᵀ (+ bias) over a weight packed by pack_linear_weight",
-        pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("out"), pybind11::arg("bias") = pybind11::none());
-  m.def("pack_linear_weight", &pack_linear_weight, "float32 [out, in] → [ceil(out / 16), in, 16], zero-padded");
-  m.def("unpack_linear_weight", &unpack_linear_weight, "the [out, in] weight of a packed one");
-  m.def("packed_linear_isa", []() {
-    switch (active_isa()) {
-      case Isa::kAvx512: return "avx512";
-      case Isa::kAvx2: return "avx2";
-      default: return "scalar";
     }
-  }, "the packed product's kernel in use: avx512, avx2 or scalar");
-  m.def("set_packed_linear_isa", [](const std::string& name) {
-    TORCH_CHECK(name == "avx512" || name == "avx2" || name == "scalar",
-                "set_packed_linear_isa: avx512, avx2 or scalar (the best this CPU runs is used when asked for more)");
-    forced_isa = name == "avx512" ? Isa::kAvx512 : name == "avx2" ? Isa::kAvx2 : Isa::kScalar;
-  }, "at most this kernel (tests compare them); every kernel gives the same bits", pybind11::arg("name"));
+  });
+}
+
+// The kernel in use: avx512, avx2 or scalar.
+const char* packed_linear_isa() {
+  switch (active_isa()) {
+    case Isa::kAvx512: return "avx512";
+    case Isa::kAvx2: return "avx2";
+    default: return "scalar";
+  }
+}
+
+// At most this kernel (tests compare them); false for an unknown name.
+bool set_packed_linear_isa(const std::string& name) {
+  if (name != "avx512" && name != "avx2" && name != "scalar") return false;
+  forced_isa = name == "avx512" ? Isa::kAvx512 : name == "avx2" ? Isa::kAvx2 : Isa::kScalar;
+  return true;
 }
