@@ -30,6 +30,7 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 def unpack_weight(packed: torch.Tensor, out_features: int) -> torch.Tensor:
     """The [out, in] weight of a packed one."""
+    assert packed.dim() == 3 and packed.shape[2] == PANEL and 0 <= packed.shape[0] * PANEL - out_features < PANEL
     return packed.permute(0, 2, 1).reshape(-1, packed.shape[1])[:out_features].contiguous()
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pagedserve.common.contracts import KernelOps
+
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     """x [..., hidden] → norm(x); with a residual: (norm(x + residual), x + residual)."""
@@ -37,6 +39,22 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotated * sin
 
 
+class TorchOps(KernelOps):
+    """The element-wise ops in plain torch (the references the Triton kernels are tested against)."""
+
+    name = "torch"
+
+    def rms_norm(self, x, weight, eps, residual=None):
+        return rms_norm_ref(x, weight, eps, residual)
+
+    def rotary(self, positions, q, k, cos, sin):
+        cos = cos[positions].unsqueeze(1)  # [n, 1, head_dim], gathered once for q and k
+        sin = sin[positions].unsqueeze(1)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+    def silu_and_mul(self, x):
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate).mul_(up)  # in place: one [n, d] buffer less than silu_and_mul_ref
 
 
 # -- quantized KV cache rows -------------------------------------------------------------

@@ -3,7 +3,8 @@ element-wise ops. The choice is passed to the model and the runner; nothing is s
 on modules afterwards.
 
     auto on CUDA  -> Triton attention and Triton ops (after a self-check against torch)
-    auto on CPU   -> the C++ decode-attention kernel when it builds, else torch; torch ops
+    auto on CPU   -> the C++ decode-attention kernel and element-wise ops (kernels/cpu_ops.py)
+                     when they build, else torch attention and ops
     torch | cpu | triton -> that backend (triton on CPU only under TRITON_INTERPRET=1)
 """
 
@@ -13,32 +14,13 @@ import logging
 import os
 
 import torch
-import torch.nn.functional as F
 
 from pagedserve.common.contracts import AttentionBackend, KernelOps, Kernels
-from pagedserve.kernels.reference_ops import apply_rotary, rms_norm_ref
+from pagedserve.kernels.reference_ops import TorchOps
 
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "torch", "cpu", "triton")
-
-
-class TorchOps(KernelOps):
-    """The element-wise ops in plain torch (the references the Triton kernels are tested against)."""
-
-    name = "torch"
-
-    def rms_norm(self, x, weight, eps, residual=None):
-        return rms_norm_ref(x, weight, eps, residual)
-
-    def rotary(self, positions, q, k, cos, sin):
-        cos = cos[positions].unsqueeze(1)  # [n, 1, head_dim], gathered once for q and k
-        sin = sin[positions].unsqueeze(1)
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-
-    def silu_and_mul(self, x):
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate).mul_(up)  # in place: one [n, d] buffer less than silu_and_mul_ref
 
 
 class TritonOps(KernelOps):
@@ -63,10 +45,18 @@ class TritonOps(KernelOps):
 
 def select_kernels(name: str, device: torch.device) -> Kernels:
     """The kernels for `--attention-backend name` on `device`: Triton attention comes with
-    the Triton ops (the whole hot path runs as Triton kernels), every other backend with
-    the torch ops."""
+    the Triton ops (the whole hot path runs as Triton kernels), the CPU backend with the
+    C++ ops of the same extension, the torch backend with the torch ops."""
     attention = select_attention_backend(name, device)
-    ops: KernelOps = TritonOps() if attention.name == "triton" else TorchOps()
+    ops: KernelOps
+    if attention.name == "triton":
+        ops = TritonOps()
+    elif attention.name == "cpu":  # the CPU extension is built: its element-wise ops too
+        from pagedserve.kernels.cpu_ops import CPUOps
+
+        ops = CPUOps()
+    else:
+        ops = TorchOps()
     return Kernels(attention, ops)
 
 

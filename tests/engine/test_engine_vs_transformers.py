@@ -78,7 +78,11 @@ def test_prefill_logits_match_transformers(tiny_checkpoint, model_name):
     with torch.inference_mode():
         logits = model.compute_logits(model(input_ids, positions, metadata, engine.runner.kv_caches))
     assert logits.shape == expected.shape
-    torch.testing.assert_close(logits, expected, atol=2e-5, rtol=1e-5)
+    # The C++ RMSNorm of the CPU ops (kernels/cpu_ops.py) sums its squares in another order
+    # than torch's mean: an ulp in a norm, which these random weights grow to about 4e-5 in
+    # logits of magnitude 10 (the torch ops gave transformers' bits exactly here)
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-5)
+    assert torch.equal(logits.argmax(-1), expected.argmax(-1))
 
 
 def test_bfloat16_runs_close_to_float32(tiny_checkpoint):

@@ -52,7 +52,7 @@ def test_silu_and_mul(dtype):
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("num_heads", [1, 3, 8])
 def test_rotary_default_and_llama3(head_dim, num_heads):
-    from pagedserve.kernels.selector import TorchOps
+    from pagedserve.kernels.reference_ops import TorchOps
     from pagedserve.plugins.models.rotary import RotaryEmbedding
 
     for params in ({"rope_theta": 10000.0, "rope_type": "default"},

@@ -390,29 +390,45 @@ void linear_rows_int8(const float* x, int64_t m, int64_t in, const int8_t* w, co
   linear_rows_any<int8_t>(x, m, in, w, scale, bias, out, y);
 }
 
+// The element-wise row functions below are shared by the fused step and the eager forward's
+// ops (`cpu_rms_norm`, `cpu_rotary`, `cpu_silu_and_mul`, used by kernels/cpu_ops.py): each is
+// compiled once (noinline), so a row's bits are the same whichever path computes it.
+
 // out[r] = weight * x[r] / sqrt(mean(x[r]²) + eps), as kernels/reference_ops.rms_norm_ref.
-void rms_norm_rows(const float* x, int64_t m, int64_t n, const float* weight, float eps, float* out) {
+// The inverse square root is taken in double and rounded once: -ffast-math would compute a
+// float 1/sqrt with the approximate RSQRT instruction and a Newton step. The sum of squares
+// runs in another order than torch's mean, so a row may differ from torch's by an ulp.
+__attribute__((noinline)) void rms_norm_rows(const float* x, int64_t m, int64_t n, const float* weight, float eps, float* out) {
   for (int64_t r = 0; r < m; ++r) {
     const float* xr = x + r * n;
     float ss = 0.f;
     for (int64_t i = 0; i < n; ++i) ss += xr[i] * xr[i];
-    const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+    const float inv = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(n) + static_cast<double>(eps)));
     float* o = out + r * n;
     for (int64_t i = 0; i < n; ++i) o[i] = weight[i] * (xr[i] * inv);
   }
 }
 
-// Rotate-half rotary embedding of `heads` heads of one token, from its cos/sin table row.
-void rotate(float* x, int64_t heads, int64_t head_dim, const float* cos, const float* sin) {
+// Rotate-half rotary embedding of `heads` heads of one token, from its cos/sin table row:
+// x·cos + rotate_half(x)·sin as two rounded products and a rounded sum, as torch computes it
+// (transformers and kernels/reference_ops.apply_rotary): no fused multiply-add contracts them.
+__attribute__((noinline, optimize("fp-contract=off"))) void rotate(float* x, int64_t heads, int64_t head_dim,
+                                                                 const float* cos, const float* sin) {
   const int64_t half = head_dim / 2;
   for (int64_t h = 0; h < heads; ++h) {
     float* v = x + h * head_dim;
     for (int64_t i = 0; i < half; ++i) {
       const float a = v[i], b = v[i + half];
-      v[i] = a * cos[i] - b * sin[i];
+      v[i] = a * cos[i] + (-b) * sin[i];
       v[i + half] = b * cos[i + half] + a * sin[i + half];
     }
   }
+}
+
+// a[i] = silu(gate[i]) * up[i] for i < n: silu(g) = g / (1 + e^-g), the exponent capped so
+// that -ffast-math never meets an infinity.
+__attribute__((noinline)) void silu_mul_row(const float* gate, const float* up, int64_t n, float* a) {
+  for (int64_t i = 0; i < n; ++i) a[i] = gate[i] / (1.f + std::exp(std::min(-gate[i], 80.f))) * up[i];
 }
 
 using Clock = std::chrono::steady_clock;
@@ -725,9 +741,7 @@ class FusedDecoder {
         for (int64_t r = r0; r < r1; ++r) {
           const float* gate = mlp_.data() + r * 2 * I;
           const float* up = gate + I;
-          float* a = act_.data() + r * I;
-          // silu(g) = g / (1 + e^-g); the exponent is capped so that -ffast-math never meets an infinity
-          for (int64_t i = 0; i < I; ++i) a[i] = gate[i] / (1.f + std::exp(std::min(-gate[i], 80.f))) * up[i];
+          silu_mul_row(gate, up, I, act_.data() + r * I);
         }
       });
       lap(other_ns_);
@@ -784,6 +798,99 @@ TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
   m.impl("int8_dequantize", &int8_dequantize);
 }
 
+// The eager forward's element-wise ops (kernels/cpu_ops.py) for float32 rows of any count:
+// the fused step's row functions, split across threads by rows like its own loops.
+
+// Rows of the last dimension of x (made contiguous), as [rows, width].
+static torch::Tensor float_rows(const torch::Tensor& x, int64_t width, const char* what) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() >= 1 && x.size(-1) == width, what,
+              ": float32 rows of the weight's width");
+  return x.contiguous().view({-1, width});
+}
+
+// norm(x), or with a residual (norm(x + residual), x + residual): RMSNorm over the last dimension.
+std::vector<torch::Tensor> cpu_rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
+                                        c10::optional<torch::Tensor> residual) {
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.dim() == 1 && weight.is_contiguous(),
+              "cpu_rms_norm: a contiguous float32 weight");
+  const int64_t n = weight.size(0);
+  auto xr = float_rows(x, n, "cpu_rms_norm");
+  const int64_t m = xr.size(0);
+  auto out = torch::empty_like(xr);
+  const float* w = weight.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  if (!residual.has_value()) {
+    const float* src = xr.data_ptr<float>();
+    float* dst = out.data_ptr<float>();
+    for_rows(m, n, [&](int64_t r0, int64_t r1) { rms_norm_rows(src + r0 * n, r1 - r0, n, w, e, dst + r0 * n); });
+    return {out.view(x.sizes())};
+  }
+  TORCH_CHECK(residual->sizes() == x.sizes(), "cpu_rms_norm: the residual has x's shape");
+  auto rr = float_rows(*residual, n, "cpu_rms_norm");
+  auto sum = torch::empty_like(xr);
+  const float* a = xr.data_ptr<float>();
+  const float* b = rr.data_ptr<float>();
+  float* s = sum.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  for_rows(m, n, [&](int64_t r0, int64_t r1) {
+    for (int64_t i = r0 * n; i < r1 * n; ++i) s[i] = b[i] + a[i];  // residual += sublayer output, as the fused step
+    rms_norm_rows(s + r0 * n, r1 - r0, n, w, e, dst + r0 * n);
+  });
+  return {out.view(x.sizes()), sum.view(x.sizes())};
+}
+
+// (q, k) [n, heads, head_dim] rotated (rotate-half) by the cos/sin table rows of positions, as new
+// contiguous tensors; q and k may be views into the fused qkv rows (any row stride).
+std::vector<torch::Tensor> cpu_rotary(torch::Tensor positions, torch::Tensor q, torch::Tensor k, torch::Tensor cos,
+                                      torch::Tensor sin) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.size(0) == k.size(0) && q.size(2) == k.size(2),
+              "cpu_rotary: q [n, heads, head_dim], k [n, kv_heads, head_dim]");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat &&
+                  sin.scalar_type() == at::kFloat, "cpu_rotary: float32 only");
+  TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(1) == q.size(2) && cos.is_contiguous() &&
+                  sin.is_contiguous(), "cpu_rotary: contiguous cos/sin tables [positions, head_dim]");
+  const int64_t m = q.size(0), hq = q.size(1), hk = k.size(1), d = q.size(2);
+  auto pos = positions.to(at::kLong).contiguous();
+  TORCH_CHECK(pos.numel() == m, "cpu_rotary: one position per row");
+  const int64_t* p = pos.data_ptr<int64_t>();
+  for (int64_t r = 0; r < m; ++r) TORCH_CHECK(p[r] >= 0 && p[r] < cos.size(0), "position beyond the rotary table");
+  // rows whose heads are contiguous (a view of the fused qkv rows is), else a contiguous copy
+  auto rows = [](const torch::Tensor& t) { return t.stride(2) == 1 && t.stride(1) == t.size(2) ? t : t.contiguous(); };
+  auto qs = rows(q), ks = rows(k);
+  auto qo = torch::empty({m, hq, d}, q.options()), ko = torch::empty({m, hk, d}, k.options());
+  const float* qi = qs.data_ptr<float>();
+  const float* ki = ks.data_ptr<float>();
+  const int64_t qstride = qs.stride(0), kstride = ks.stride(0);
+  float* qd = qo.data_ptr<float>();
+  float* kd = ko.data_ptr<float>();
+  const float* c = cos.data_ptr<float>();
+  const float* sn = sin.data_ptr<float>();
+  for_rows(m, (hq + hk) * d, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      std::memcpy(qd + r * hq * d, qi + r * qstride, hq * d * sizeof(float));
+      std::memcpy(kd + r * hk * d, ki + r * kstride, hk * d * sizeof(float));
+      rotate(qd + r * hq * d, hq, d, c + p[r] * d, sn + p[r] * d);
+      rotate(kd + r * hk * d, hk, d, c + p[r] * d, sn + p[r] * d);
+    }
+  });
+  return {qo, ko};
+}
+
+// x [n, 2·d] (gate then up) → silu(gate) · up, [n, d].
+torch::Tensor cpu_silu_and_mul(torch::Tensor x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) % 2 == 0,
+              "cpu_silu_and_mul: float32 [n, 2 * d]");
+  auto xc = x.contiguous();
+  const int64_t m = xc.size(0), d = xc.size(1) / 2;
+  auto out = torch::empty({m, d}, x.options());
+  const float* src = xc.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  for_rows(m, d, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) silu_mul_row(src + r * 2 * d, src + r * 2 * d + d, d, dst + r * d);
+  });
+  return out;
+}
+
 void bind_cpu_decode(pybind11::module& m) {
   m.def("small_linear", &small_linear, "y = x·wᵀ (+ bias) for a few float32 rows", pybind11::arg("x"),
         pybind11::arg("w"), pybind11::arg("bias") = pybind11::none());
@@ -798,6 +905,10 @@ void bind_cpu_decode(pybind11::module& m) {
     return before;
   }, "from how many rows and what depth the float products run in register tiles (same bits either way); "
      "returns the old (rows, depth)", pybind11::arg("rows"), pybind11::arg("depth"));
+  m.def("cpu_rms_norm", &cpu_rms_norm, "RMSNorm of float32 rows; with a residual: (norm(x + residual), x + residual)",
+        pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("eps"), pybind11::arg("residual") = pybind11::none());
+  m.def("cpu_rotary", &cpu_rotary, "(q, k) rotated by the cos/sin rows of positions, as new contiguous tensors");
+  m.def("cpu_silu_and_mul", &cpu_silu_and_mul, "silu(gate) * up of float32 [n, 2 * d] rows");
   m.def("linear_tiles_compiled", []() { return kHaveTiles; }, "whether this build has the register-tile kernel");
   pybind11::class_<FusedDecoder>(m, "FusedDecoder")
       .def(pybind11::init<torch::Tensor, std::vector<std::vector<c10::optional<torch::Tensor>>>, torch::Tensor,
@@ -816,14 +927,6 @@ torch::Tensor pack_linear_weight(torch::Tensor w) {
   auto packed = torch::empty({panels, in, kPackedPanel}, w.options());
   pack_linear_rows(wc.data_ptr<float>(), out, in, packed.data_ptr<float>());
   return packed;
-}
-
-// The [out, in] weight back out of its packing (for loaders and tests).
-torch::Tensor unpack_linear_weight(torch::Tensor packed, int64_t out) {
-  TORCH_CHECK(packed.scalar_type() == at::kFloat && packed.dim() == 3 && packed.size(2) == kPackedPanel &&
-                  out > (packed.size(0) - 1) * kPackedPanel && out <= packed.size(0) * kPackedPanel,
-              "unpack_linear_weight: a packed [ceil(out / 16), in, 16] float32 weight");
-  return packed.permute({0, 2, 1}).reshape({-1, packed.size(1)}).slice(0, 0, out).contiguous();
 }
 
 // y = x·Wᵀ (+ bias), x float32 [m, in], W packed by pack_linear_weight, out its row count.
@@ -859,7 +962,6 @@ void bind_cpu_packed_gemm(pybind11::module& m) {
   m.def("packed_linear", &packed_linear, "y = x·Wᵀ (+ bias) over a weight packed by pack_linear_weight",
         pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("out"), pybind11::arg("bias") = pybind11::none());
   m.def("pack_linear_weight", &pack_linear_weight, "float32 [out, in] → [ceil(out / 16), in, 16], zero-padded");
-  m.def("unpack_linear_weight", &unpack_linear_weight, "the [out, in] weight of a packed one");
   m.def("packed_linear_isa", []() { return std::string(packed_linear_isa()); },
         "the packed product's kernel in use: avx512, avx2 or scalar");
   m.def("set_packed_linear_isa", [](const std::string& name) {

@@ -209,8 +209,6 @@ constexpr int kMaxMR = 8, kMaxNP = 8;  // the largest of the bounds above (the o
 
 }  // namespace
 
-int64_t packed_panel_rows() { return kPanel; }
-
 // y[r, o] = x[r, :] · W[o, :] (+ bias[o]) for r < m, o < out, from W packed as [panels, in, 16].
 void linear_rows_packed(const float* x, int64_t m, int64_t in, const float* packed, const float* bias, int64_t out,
                         float* y) {
@@ -254,7 +252,6 @@ void linear_rows_packed(const float* x, int64_t m, int64_t in, const float* pack
   });
 }
 
-// W [out, in] float32 → [ceil(out / 16), in, 16], zero-padded.
 // W [out, in] (row-major) → dst [ceil(out / 16), in, 16], zero-padded (dst holds that many floats).
 void pack_linear_rows(const float* src, int64_t out, int64_t in, float* dst) {
   const int64_t panels = (out + kPanel - 1) / kPanel;
