@@ -4,8 +4,10 @@ An eager forward (prefill chunks, mixed steps, `--enforce-eager`) with the torch
 about a dozen aten calls a layer on RMSNorm, rotary and SiLU·mul, each a full pass over its
 rows, and as much time there as in its matrix products at a 2048-token step. `CPUOps` runs each
 as one threaded pass, through the same row functions as the fused decode step
-(kernels/cpu_decode.py), so a row gets the same bits in a prefill chunk as in a decode step.
-float32 only: other dtypes take the torch ops.
+(kernels/cpu_decode.py), so each of these ops computes a row as that step does. With packed
+weights an eager decode step therefore has the fused step's bits (the same products and
+attention kernel too); a prefill row's attention is torch's, so only its element-wise ops
+and products are shared. float32 only: other dtypes take the torch ops.
 """
 
 from __future__ import annotations
