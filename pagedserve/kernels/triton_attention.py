@@ -2,10 +2,12 @@
 
 Each program takes a tile of up to BLOCK_M query tokens of one sequence and all the query
 heads that share one KV head (GQA), so every K/V block is read once for the whole group. It
-walks the sequence's block table one KV block at a time with an online softmax, causal
-inside the new tokens. For long contexts the KV range is split across programs
-(flash-decoding): each split writes a partial result and its log-sum-exp, and a second
-kernel combines them. The new keys and values are stored by slot mapping first
+walks the sequence's block table in tiles of KV_TILE_TOKENS (several blocks gathered at
+once) with an online softmax, causal inside the new tokens. For long contexts the KV range
+is split across programs (flash-decoding): each split writes a partial result and its
+log-sum-exp, and a second kernel combines them. Every split but a very long context's last
+holds `tokens_per_split` tokens, so where a row's KV is cut depends on its own context only,
+never on the rest of its batch. The new keys and values are stored by slot mapping first
 (`triton_ops.kv_store`), so attention reads only the cache.
 
 The cache may be quantized (the layout of `reference_ops.quantize_kv_rows`, told by its
@@ -41,7 +43,8 @@ if triton is not None:
         tile_seq_ptr, tile_start_ptr, out_ptr, part_out_ptr, part_lse_ptr,
         scale, num_tokens, num_heads, num_kv_heads, max_blocks_per_seq, min_blocks_per_split,
         GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_FP32: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGES: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        DOT_FP32: tl.constexpr,
         DOT_PRECISION: tl.constexpr, KV_INT8: tl.constexpr, ROW_WIDTH: tl.constexpr,
     ):
         tile = tl.program_id(0)
@@ -78,21 +81,30 @@ if triton is not None:
         m_i = tl.full([BLOCK_M * GROUP_P2], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M * GROUP_P2], tl.float32)
         acc = tl.zeros([BLOCK_M * GROUP_P2, HEAD_DIM_P2], tl.float32)
-        n = tl.arange(0, BLOCK_SIZE)
+        # Each step takes PAGES blocks of the table at once: a KV tile of PAGES * BLOCK_SIZE
+        # tokens, gathered row by row from its blocks, so the dots are wide enough to keep the
+        # tensor cores busy whatever the block size.
+        n = tl.arange(0, PAGES * BLOCK_SIZE)
+        slot = n % BLOCK_SIZE
         block_stride = BLOCK_SIZE * num_kv_heads * ROW_WIDTH
-        for b in range(block_lo, block_hi):
-            block_id = tl.load(block_tables_ptr + seq * max_blocks_per_seq + b).to(tl.int64)
-            row_offs = block_id * block_stride + (n * num_kv_heads + kv_head) * ROW_WIDTH  # [BLOCK_SIZE]
+        for b in range(block_lo, block_hi, PAGES):
+            page = b + n // BLOCK_SIZE  # [PAGES * BLOCK_SIZE]: each row's block in the table
+            page_ok = page < block_hi
+            block_id = tl.load(block_tables_ptr + seq * max_blocks_per_seq + page, mask=page_ok, other=0).to(tl.int64)
+            row_offs = block_id * block_stride + (slot * num_kv_heads + kv_head) * ROW_WIDTH
             offs = row_offs[:, None] + d[None, :]
-            k = tl.load(k_cache_ptr + offs, mask=d_ok[None, :], other=0.0)  # [BLOCK_SIZE, HEAD_DIM_P2]
-            v = tl.load(v_cache_ptr + offs, mask=d_ok[None, :], other=0.0)
+            kv_ok = page_ok[:, None] & d_ok[None, :]
+            k = tl.load(k_cache_ptr + offs, mask=kv_ok, other=0.0)  # [PAGES * BLOCK_SIZE, HEAD_DIM_P2]
+            v = tl.load(v_cache_ptr + offs, mask=kv_ok, other=0.0)
             # A quantized cache is widened to the query's dtype (int8 and float8_e4m3fn values
             # are exact in each). An int8 row's float32 scale, after its values, multiplies the
             # row's column of the scores (K) and of the probabilities (V) instead of its
             # head_dim values: [rows, BLOCK_SIZE] products, not [BLOCK_SIZE, HEAD_DIM] ones.
             if KV_INT8:
-                k_scale = tl.load((k_cache_ptr + row_offs + HEAD_DIM).to(tl.pointer_type(tl.float32)))
-                v_scale = tl.load((v_cache_ptr + row_offs + HEAD_DIM).to(tl.pointer_type(tl.float32)))
+                k_scale = tl.load((k_cache_ptr + row_offs + HEAD_DIM).to(tl.pointer_type(tl.float32)), mask=page_ok,
+                                  other=0.0)
+                v_scale = tl.load((v_cache_ptr + row_offs + HEAD_DIM).to(tl.pointer_type(tl.float32)), mask=page_ok,
+                                  other=0.0)
                 k = k.to(tl.float32).to(q_ptr.dtype.element_ty)  # through float32: the interpreter
                 v = v.to(tl.float32).to(q_ptr.dtype.element_ty)  # converts int8 to bf16 wrongly
             elif k.dtype != q_ptr.dtype.element_ty:
@@ -105,7 +117,7 @@ if triton is not None:
             if KV_INT8:
                 s = s * k_scale[None, :]
             k_pos = b * BLOCK_SIZE + n
-            visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < seq_len)
+            visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < seq_len) & page_ok[None, :]
             s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
@@ -186,7 +198,14 @@ class TritonAttentionBackend(AttentionBackend):
         metadata.backend_state = _TritonPlan(torch.tensor(seqs, dtype=torch.int32, device=device),
                                              torch.tensor(starts, dtype=torch.int32, device=device), block_m,
                                              self.splits_for(metadata.max_seq_len),
+                                             self.min_blocks_per_split(block_size),
                                              decode_only=all(q == 1 for q in metadata.query_lens_cpu))
+
+    def min_blocks_per_split(self, block_size: int) -> int:
+        """Without a fixed split count, every split but a very long context's last holds
+        `tokens_per_split` tokens: where a row's KV is cut then depends on its own context
+        only, never on the longest one in the batch (which sets only how many splits run)."""
+        return 1 if self.num_splits else -(-self.tokens_per_split // block_size)
 
     def splits_for(self, max_seq_len: int) -> int:
         return self.num_splits or min(self.max_splits, max(1, -(-max_seq_len // self.tokens_per_split)))
@@ -195,7 +214,7 @@ class TritonAttentionBackend(AttentionBackend):
         """A plan for decode-only batches of `num_seqs` rows that holds for any context up to
         `max_model_len`: what a CUDA graph captures. The split count is the one the longest
         context needs; each sequence uses only the splits its own context fills."""
-        min_blocks = 1 if self.num_splits else -(-self.tokens_per_split // block_size)
+        min_blocks = self.min_blocks_per_split(block_size)
         return _TritonPlan(torch.arange(num_seqs, dtype=torch.int32, device=device),
                            torch.zeros(num_seqs, dtype=torch.int32, device=device), self.block_m,
                            self.splits_for(max_model_len), min_blocks, decode_only=True)
@@ -203,6 +222,11 @@ class TritonAttentionBackend(AttentionBackend):
     def forward(self, query, key, value, kv_cache, metadata, scale):
         triton_ops.kv_store(key, value, kv_cache, metadata.slot_mapping)
         return paged_attention(query, kv_cache, metadata, scale, torch.empty_like(query))
+
+
+#: KV tokens a program takes per step (whole blocks: at least one). Fixed, never chosen by
+#: batch: the online softmax's steps are part of a row's arithmetic (batch invariance).
+KV_TILE_TOKENS = 64
 
 
 def _num_warps(rows: int, head_dim_p2: int, element_size: int) -> int:
@@ -244,7 +268,8 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: Atten
         plan.tile_seq, plan.tile_start, out, part_out, part_lse,
         scale, num_tokens, num_heads, num_kv_heads, metadata.block_tables.shape[1], plan.min_blocks_per_split,
         GROUP=group, GROUP_P2=group_p2, HEAD_DIM=head_dim, HEAD_DIM_P2=head_dim_p2,
-        BLOCK_M=block_m, BLOCK_SIZE=block_size, NUM_SPLITS=splits, DOT_FP32=_INTERPRETED,
+        BLOCK_M=block_m, BLOCK_SIZE=block_size, PAGES=max(1, KV_TILE_TOKENS // block_size), NUM_SPLITS=splits,
+        DOT_FP32=_INTERPRETED,
         # tl.dot rounds float32 operands to tf32 on a GPU unless told otherwise: a float32
         # model gets full float32 attention, as torch's own matmuls give it
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",

@@ -45,6 +45,35 @@ def test_triton_paged_attention(shape, dtype, num_splits):
     assert torch.equal(kv_cache, kv_ref)
 
 
+def test_a_rows_bits_do_not_depend_on_the_longest_context_in_its_batch():
+    """The longest context of a batch sets how many KV splits run, but every split holds
+    `tokens_per_split` tokens, so a row's KV is cut in the same places alone and beside a
+    much longer context: its output has the same bits (batch invariance). Before, the
+    splits shared out the longest context: a 150-token row was cut in 4-block pieces alone
+    and in 1-block pieces beside a 700-token one. (Beside a prefill chunk a decode row sits
+    in a taller tile; here the interpreter's numpy matmul then rounds it differently, so
+    that case is the GPU's: benchmarks/gpu_checks.py probes it.)"""
+    from pagedserve.common.contracts import AttentionMetadata
+
+    heads, kv_heads, head_dim, block_size = 4, 2, 64, 16
+    g = torch.Generator().manual_seed(0)
+    kv_cache = torch.randn(2, 64, block_size, kv_heads, head_dim, generator=g)
+    query = torch.randn(8, heads, head_dim, generator=g)
+    rows, splits = [], []
+    for query_lens, seq_lens in (([1], [150]), ([1, 1], [150, 700])):
+        tables, first = [], 0
+        for length in seq_lens:  # the 150-token row keeps its blocks in every batch
+            tables.append(list(range(first, first + -(-length // block_size))))
+            first += len(tables[-1])
+        metadata = AttentionMetadata.for_batch(query_lens, seq_lens, tables, block_size, "cpu")
+        TritonAttentionBackend(tokens_per_split=64).prepare(metadata, block_size)
+        splits.append(metadata.backend_state.num_splits)
+        q = query[: sum(query_lens)]
+        rows.append(paged_attention(q, kv_cache, metadata, head_dim**-0.5, torch.empty_like(q))[:1])
+    assert splits == [3, 11]
+    assert torch.equal(rows[0], rows[1])
+
+
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"), [(6, 2, 64, 16), (8, 1, 128, 32), (4, 4, 64, 16)])
 def test_graph_decode_plan_with_padding_rows(heads, kv_heads, head_dim, block_size):
     """What a CUDA graph replays: a decode-only plan fixed for the longest context, with a
