@@ -107,11 +107,15 @@ def _prompts(batch: int, prompt_len: int, vocab: int) -> list[list[int]]:
 
 
 def run_pagedserve(model_dir: Path, device: torch.device, batches, prompt_len, out_len, vocab, kv_bytes,
-                   warm_up: bool = True) -> dict:
+                   warm_up: bool = True, latency: tuple[int, int] | None = None, profile_batch: int = 0,
+                   **options) -> dict:
+    """`latency`: (batch, prompt length) of a whole-request latency run; `profile_batch`: the
+    batch whose steps torch.profiler splits into GPU time and the rest; `options`: more LLM
+    options (quantization, kv_cache_dtype, ...)."""
     from pagedserve import SamplingParams
 
     llm = _llm(model_dir, device, False, dtype="bfloat16", load_format="dummy", max_num_seqs=max(batches),
-               kv_cache_memory=kv_bytes)
+               kv_cache_memory=kv_bytes, **options)
     runner = llm.engine.runner
     weight_bytes = sum(p.numel() * p.element_size() for n, p in llm.engine.runner.model.named_parameters()
                        if not n.startswith("embed_tokens") or llm.engine.runner.model.lm_head is None)
@@ -130,10 +134,11 @@ def run_pagedserve(model_dir: Path, device: torch.device, batches, prompt_len, o
     params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
     if warm_up:
         llm.generate(_prompts(2, prompt_len, vocab), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
-    figures = {}
+    figures: dict = {}
     for batch in batches:
-        if warm_up:
-            llm.generate(_prompts(batch, prompt_len, vocab), params)  # compiles, captures this size's graph
+        if warm_up:  # compiles, captures this size's graph
+            llm.generate(_prompts(batch, prompt_len, vocab), SamplingParams(max_tokens=8, temperature=0.0,
+                                                                            ignore_eos=True))
         steps.clear()
         _sync(device)
         start = time.perf_counter()
@@ -143,10 +148,41 @@ def run_pagedserve(model_dir: Path, device: torch.device, batches, prompt_len, o
         assert sum(len(o.outputs[0].token_ids) for o in outs) == batch * out_len
         figures[batch] = {"seconds": elapsed, "output_tok_s": batch * out_len / elapsed,
                           "decode_step_ms": 1e3 * statistics.median(steps)}
+    try:  # (the figures above stand whatever happens here)
+        if latency is not None:  # whole-request latency of a batch with its own prompt length
+            batch, length = latency
+            llm.generate(_prompts(batch, length, vocab), SamplingParams(max_tokens=8, temperature=0.0,
+                                                                        ignore_eos=True))
+            _sync(device)
+            start = time.perf_counter()
+            llm.generate(_prompts(batch, length, vocab), params)
+            _sync(device)
+            figures["latency"] = {"batch": batch, "prompt_len": length, "out_len": out_len,
+                                  "seconds": time.perf_counter() - start}
+        if device.type == "cuda" and profile_batch:
+            figures["gpu_idle_share"] = gpu_idle_share(llm, _prompts(profile_batch, prompt_len, vocab),
+                                                       SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
+    except Exception as e:
+        print(f"latency / profile run failed: {type(e).__name__}: {e}")
     del runner.run
     del llm
     _free(device)
     return {"weight_bytes": weight_bytes, "batches": figures}
+
+
+def gpu_idle_share(llm, prompts, params) -> dict:
+    """One generate under torch.profiler: the share of its wall time in which no GPU kernel
+    ran (host work between launches, syncs, sampling on the host), prefill included."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        llm.generate(prompts, params)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    kernel_s = sum(e.self_device_time_total for e in prof.key_averages()) / 1e6
+    return {"wall_s": wall, "kernel_s": kernel_s, "idle_share": max(0.0, 1 - kernel_s / wall)}
 
 
 def run_transformers(shape: dict, device: torch.device, batches, prompt_len, out_len, vocab,
@@ -157,22 +193,29 @@ def run_transformers(shape: dict, device: torch.device, batches, prompt_len, out
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     config = LlamaConfig(**shape, eos_token_id=0, bos_token_id=None, pad_token_id=0)
-    with torch.device(device):
-        # transformers types PreTrainedModel.to as functools.wraps(nn.Module.to), self included
-        model = LlamaForCausalLM(config).to(torch.bfloat16).eval()  # type: ignore[arg-type]
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # made in bf16: an 8B model in float32 first would need 32 GB more
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config).eval()
+    finally:
+        torch.set_default_dtype(default_dtype)
     gen = GenerationConfig(max_new_tokens=out_len, do_sample=False, eos_token_id=None, pad_token_id=0)
     cb_config = ContinuousBatchingConfig(num_blocks=64, max_batch_tokens=64) if small_cache else None
     figures = {}
+    if warm_up:  # once, small: its first call sets up what later calls reuse
+        model.generate_batch(inputs=_prompts(4, prompt_len, vocab), continuous_batching_config=cb_config,
+                             generation_config=GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=None,
+                                                                pad_token_id=0), progress_bar=False)
     for batch in batches:
-        for _attempt in ("warm-up", "timed") if warm_up else ("timed",):
-            prompts = _prompts(batch, prompt_len, vocab)
-            _sync(device)
-            start = time.perf_counter()
-            # (not under inference_mode: the manager's thread updates its own tensors in place)
-            results = model.generate_batch(inputs=prompts, generation_config=gen, continuous_batching_config=cb_config,
-                                           progress_bar=False)
-            _sync(device)
-            elapsed = time.perf_counter() - start
+        prompts = _prompts(batch, prompt_len, vocab)
+        _sync(device)
+        start = time.perf_counter()
+        # (not under inference_mode: the manager's thread updates its own tensors in place)
+        results = model.generate_batch(inputs=prompts, generation_config=gen, continuous_batching_config=cb_config,
+                                       progress_bar=False)
+        _sync(device)
+        elapsed = time.perf_counter() - start
         produced = sum(len(r.generated_tokens) for r in results.values())
         assert produced == batch * out_len, (produced, batch * out_len)
         figures[batch] = {"seconds": elapsed, "output_tok_s": batch * out_len / elapsed}
@@ -196,7 +239,7 @@ def main() -> int:
     if args.smoke:
         shape, batches, prompt_len, out_len, kv_bytes, copy_bytes = TINY, [1, 2], 8, 4, 1 << 24, 1 << 20
     else:
-        shape, batches, prompt_len, out_len, kv_bytes, copy_bytes = LLAMA3_8B, [1, 64], 128, 128, 8 << 30, 1 << 30
+        shape, batches, prompt_len, out_len, kv_bytes, copy_bytes = LLAMA3_8B, [1, 64, 256], 128, 128, 16 << 30, 1 << 30
     copy_bw = copy_bandwidth(device, copy_bytes, 3 if args.smoke else 20)
     print(f"device: {name}; torch {torch.__version__}; copy bandwidth {copy_bw / 1e9:.0f} GB/s")
     with tempfile.TemporaryDirectory() as tmp:
@@ -207,9 +250,15 @@ def main() -> int:
         model_dir = _model_dir(shape, Path(tmp))
         # (a smoke run's figures mean nothing: it skips the warm-ups that compile and capture graphs)
         ours = run_pagedserve(model_dir, device, batches, prompt_len, out_len, shape["vocab_size"], kv_bytes,
-                              warm_up=not args.smoke)
-    theirs = run_transformers(shape, device, batches, prompt_len, out_len, shape["vocab_size"], warm_up=not args.smoke,
-                              small_cache=args.smoke)
+                              warm_up=not args.smoke, latency=(8, 32) if not args.smoke else (2, 4),
+                              profile_batch=batches[-1])
+    try:
+        theirs = run_transformers(shape, device, batches, prompt_len, out_len, shape["vocab_size"],
+                                  warm_up=not args.smoke, small_cache=args.smoke)
+    except Exception as e:  # the peer's API moves between transformers versions: keep our own figures
+        print(f"transformers generate_batch failed: {type(e).__name__}: {e}")
+        theirs = {b: {"output_tok_s": float("nan")} for b in batches}
+        _free(device)
     label = "Llama-3-8B-shaped" if not args.smoke else "tiny Llama-shaped"
     print(f"{label}, bf16, random weights ({ours['weight_bytes'] / 1e9:.2f} GB read per step); "
           f"{prompt_len} prompt + {out_len} output tokens per request")
@@ -222,6 +271,13 @@ def main() -> int:
     step_ms = ours["batches"][batches[0]]["decode_step_ms"]
     print(f"batch 1: weights / copy bandwidth = {floor_ms:.3f} ms; decode step {step_ms:.3f} ms; "
           f"memory-bandwidth utilisation {100 * floor_ms / step_ms:.0f}%")
+    lat = ours["batches"].get("latency", {"batch": 0, "prompt_len": 0, "out_len": 0, "seconds": float("nan")})
+    print(f"batch {lat['batch']}, {lat['prompt_len']} prompt + {lat['out_len']} output tokens: whole-request latency "
+          f"{1e3 * lat['seconds']:.0f} ms")
+    if "gpu_idle_share" in ours["batches"]:
+        idle = ours["batches"]["gpu_idle_share"]
+        print(f"batch {batches[-1]}, 32 output tokens under torch.profiler: wall {idle['wall_s'] * 1e3:.0f} ms, "
+              f"GPU kernels {idle['kernel_s'] * 1e3:.0f} ms: no kernel running {100 * idle['idle_share']:.0f}% of the time")
     if args.json:
         Path(args.json).write_text(json.dumps({"device": name, "copy_bandwidth": copy_bw, "pagedserve": ours,
                                                "generate_batch": theirs}))

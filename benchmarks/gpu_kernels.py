@@ -155,11 +155,37 @@ def main() -> int:
         ok &= diff < 5e-2
         print(f"{f'prefill {n_seq}x{length}':34}{diff:12.2e}{seconds * 1e3:10.3f}"
               f"{f'{flops / seconds / 1e12:.1f} TF/s = {sdpa_seconds / seconds:.2f}x SDPA':>22}")
+    warp_cases(device, prefill_lens[-1:] if not args.smoke else prefill_lens, heads, kv_heads, head_dim, block_size,
+               dtype, scale, repeat)
     ok &= quantized_decode_cases(device, args.smoke, contexts, batch, heads, kv_heads, head_dim, block_size, scale,
                                  repeat, copy_bw)
     ok &= gemm_cases(device, args.smoke, repeat)
     print("all checks passed" if ok else "CHECK FAILED: the Triton kernel disagrees with the torch backend")
     return 0 if ok else 1
+
+
+def warp_cases(device, lengths, heads, kv_heads, head_dim, block_size, dtype, scale, repeat) -> None:
+    """The prefill tiles at 4 and at 8 warps (triton_attention._num_warps picks by tile size)."""
+    from pagedserve.kernels import triton_attention
+    from pagedserve.kernels.triton_attention import TritonAttentionBackend, paged_attention
+
+    chosen = triton_attention._num_warps
+    try:
+        for length in lengths:
+            q, _, _, cache, meta = _batch([length] * 4, [length] * 4, heads, kv_heads, head_dim, block_size, dtype,
+                                          device)
+            TritonAttentionBackend().prepare(meta, block_size)
+            out, times = torch.empty_like(q), {}
+            for warps in (4, 8):
+                triton_attention._num_warps = lambda *_, w=warps: w
+                times[warps] = _timed(lambda q=q, cache=cache, meta=meta, out=out: paged_attention(q, cache, meta, scale, out), device, repeat)
+            triton_attention._num_warps = chosen
+            picked = chosen(TritonAttentionBackend().block_m * (heads // kv_heads), max(16, head_dim),
+                            q.element_size())
+            print(f"{f'prefill 4x{length} warps':34}{'':12}{times[4] * 1e3:10.3f}"
+                  f"{f'4: {times[4] * 1e3:.3f} ms, 8: {times[8] * 1e3:.3f} ms; picks {picked}':>40}")
+    finally:
+        triton_attention._num_warps = chosen
 
 
 def quantized_decode_cases(device, smoke, contexts, batch, heads, kv_heads, head_dim, block_size, scale, repeat,

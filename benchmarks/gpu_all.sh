@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Every GPU check and figure of issue #36 in one run, in the order they matter, each step
+# under its own time limit and all of them under one deadline, so that a step that hangs or
+# fails still leaves the others' figures. Writes $OUT/gpu_all.log (everything) and the
+# scripts' JSON files ($OUT/e2e.json, $OUT/checks.json, $OUT/serve.json).
+#
+#   bash benchmarks/gpu_all.sh                         # every step
+#   bash benchmarks/gpu_all.sh kernels e2e twins       # some of them, in this order
+#   GPU_DEADLINE_S=300 bash benchmarks/gpu_all.sh      # stop starting steps past 300 s
+#
+# Steps: kernels (benchmarks/gpu_kernels.py), e2e (benchmarks/gpu_e2e.py), twins (the
+# `gpu` tests of the Triton int8 / int4 / quantized-KV files: each file's tests compiled on
+# the GPU), checks (benchmarks/gpu_checks.py), serve (`pagedserve serve` with one worker and
+# a random-weight model, then `pagedserve bench serve`).
+#
+# A machine without this project's dependencies: put wheels in .whl/ (installed into
+# /tmp/site) and, for `serve`, a redis-server in .gpu/ (.gpu/redis-server.sh).
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu_all}
+mkdir -p "$OUT"
+exec > >(tee -a "$OUT/gpu_all.log") 2>&1
+export PYTHONUNBUFFERED=1
+START=$(date +%s)
+DEADLINE=${GPU_DEADLINE_S:-540}
+STEPS=("$@")
+[ ${#STEPS[@]} -eq 0 ] && STEPS=(kernels e2e twins checks serve)
+
+elapsed() { echo $(( $(date +%s) - START )); }
+note() { echo "=== [$(elapsed) s] $*"; }
+
+# run NAME LIMIT CMD...: at most LIMIT seconds, and never past the deadline
+run() {
+    local name=$1 limit=$2; shift 2
+    local left=$(( DEADLINE - $(elapsed) ))
+    if [ "$left" -lt 20 ]; then note "$name: skipped, ${left} s to the deadline"; return; fi
+    [ "$limit" -gt "$left" ] && limit=$left
+    note "$name: start (limit ${limit} s)"
+    local t0; t0=$(date +%s)
+    timeout -k 10 "$limit" "$@"
+    note "$name: exit status $? after $(( $(date +%s) - t0 )) s"
+}
+
+if [ -d .whl ] && ! python3 -c "import msgspec, litestar" 2>/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site
+fi
+# entry points (model, scheduler and sampler plugins) need the package's metadata
+if ! python3 -c "import importlib.metadata as m; m.version('pagedserve')" 2>/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target /tmp/site-ps . \
+        && export PYTHONPATH=$PWD:/tmp/site-ps:${PYTHONPATH:-} PATH=/tmp/site-ps/bin:$PATH
+fi
+[ -x .gpu/redis-server.sh ] && export PAGEDSERVE_REDIS_SERVER=$PWD/.gpu/redis-server.sh
+unset TRITON_INTERPRET
+note "setup done"
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
+'transformers', transformers.__version__, torch.cuda.get_device_name(), torch.cuda.get_device_capability())"
+
+for step in "${STEPS[@]}"; do
+    case $step in
+    kernels) run kernels 120 python3 benchmarks/gpu_kernels.py ;;
+    e2e) run e2e 240 python3 benchmarks/gpu_e2e.py --json "$OUT/e2e.json" ;;
+    twins) run twins 150 python3 -m pytest -q -p no:cacheprovider -m gpu -n 3 tests/kernels/test_triton_int8.py \
+        tests/kernels/test_triton_int4.py tests/kernels/test_triton_quant_kv.py ;;
+    checks) run checks 200 python3 benchmarks/gpu_checks.py --json "$OUT/checks.json" ;;
+    serve) run serve 150 bash benchmarks/gpu_serve.sh "$OUT/serve.json" ;;
+    *) note "unknown step $step" ;;
+    esac
+done
+note "done"
