@@ -427,7 +427,8 @@ __attribute__((noinline, optimize("fp-contract=off"))) void rotate(float* x, int
 }
 
 // a[i] = silu(gate[i]) * up[i] for i < n: silu(g) = g / (1 + e^-g), the exponent capped so
-// that -ffast-math never meets an infinity.
+// that -ffast-math never meets an infinity. The division is a true one (-mno-recip, in
+// cpu_attention.py's flags: no VRCPPS estimate, whose bits differ between CPU models).
 __attribute__((noinline)) void silu_mul_row(const float* gate, const float* up, int64_t n, float* a) {
   for (int64_t i = 0; i < n; ++i) a[i] = gate[i] / (1.f + std::exp(std::min(-gate[i], 80.f))) * up[i];
 }
