@@ -38,12 +38,15 @@ run() {
     note "$name: start (limit ${limit} s)"
     local t0; t0=$(date +%s)
     timeout -k 10 "$limit" "$@"
-    note "$name: exit status $? after $(( $(date +%s) - t0 )) s"
+    local status=$?
+    note "$name: exit status $status after $(( $(date +%s) - t0 )) s"
+    [ "$status" -eq 0 ] || FAILED+=("$name")
 }
+FAILED=()
 
 if [ -d .whl ] && ! python3 -c "import msgspec, litestar" 2>/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    export PYTHONPATH=/tmp/site
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 # entry points (model, scheduler and sampler plugins) need the package's metadata
 if ! python3 -c "import importlib.metadata as m; m.version('pagedserve')" 2>/dev/null; then
@@ -68,4 +71,4 @@ for step in "${STEPS[@]}"; do
     *) note "unknown step $step" ;;
     esac
 done
-note "done"
+if [ ${#FAILED[@]} -eq 0 ]; then note "done: every step passed"; else note "done: failed: ${FAILED[*]}"; exit 1; fi

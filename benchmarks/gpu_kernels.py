@@ -181,7 +181,7 @@ def warp_cases(device, lengths, heads, kv_heads, head_dim, block_size, dtype, sc
                 times[warps] = _timed(lambda q=q, cache=cache, meta=meta, out=out: paged_attention(q, cache, meta, scale, out), device, repeat)
             triton_attention._num_warps = chosen
             picked = chosen(TritonAttentionBackend().block_m * (heads // kv_heads), max(16, head_dim),
-                            q.element_size())
+                            q.element_size(), triton_attention._arch(q.device))
             print(f"{f'prefill 4x{length} warps':34}{'':12}{times[4] * 1e3:10.3f}"
                   f"{f'4: {times[4] * 1e3:.3f} ms, 8: {times[8] * 1e3:.3f} ms; picks {picked}':>40}")
     finally:

@@ -16,15 +16,23 @@ from gpu_checks import LLAMA32_1B
 from gpu_e2e import TINY, _model_dir
 import os
 shape = TINY if os.environ.get("GPU_SERVE_SMOKE") else LLAMA32_1B
-print("model:", _model_dir({**shape, "vocab_size": 320}, Path(sys.argv[1])))
+print("model:", _model_dir({**shape, "vocab_size": 320, "max_position_embeddings": 4096}, Path(sys.argv[1])))
 EOF
-port=18431
-# the CLI, also where the package is on PYTHONPATH without its console script
-pagedserve() { python3 -c "import sys; from pagedserve.entrypoints.cli import main; sys.exit(main())" "$@"; }
-pagedserve serve --model "$dir/model/llama-shaped" --load-format dummy --num-workers 1 --port $port \
+port=${GPU_SERVE_PORT:-18431}
+if curl -s "http://127.0.0.1:$port/health" >/dev/null; then echo "port $port is taken: another server runs"; exit 1; fi
+cli=(python3 -c "import sys; from pagedserve.entrypoints.cli import main; sys.exit(main())")  # no console script needed
+# its own process group (setsid), so that the launcher, its worker and its redis-server all
+# get the signals below
+setsid "${cli[@]}" serve --model "$dir/model/llama-shaped" --load-format dummy --num-workers 1 --port $port \
     --max-model-len 4096 > "$dir/serve.log" 2>&1 &
 server=$!
-trap 'kill -INT $server 2>/dev/null; sleep 5; kill -9 $server 2>/dev/null; tail -n 30 "$dir/serve.log"' EXIT
+stop() {
+    kill -INT -- -$server 2>/dev/null  # the launcher drains and stops its worker
+    for _ in $(seq 1 40); do kill -0 $server 2>/dev/null || break; sleep 1; done
+    kill -9 -- -$server 2>/dev/null
+    tail -n 30 "$dir/serve.log"
+}
+trap stop EXIT
 for _ in $(seq 1 "${GPU_SERVE_WAIT:-120}"); do
     curl -sf "http://127.0.0.1:$port/ready" >/dev/null && break
     kill -0 $server 2>/dev/null || { echo "serve exited"; exit 1; }
@@ -32,7 +40,9 @@ for _ in $(seq 1 "${GPU_SERVE_WAIT:-120}"); do
 done
 curl -sf "http://127.0.0.1:$port/ready" || { echo "serve not ready in time"; exit 1; }
 echo
-pagedserve bench serve --base-url "http://127.0.0.1:$port" --workload serve --vocab-size 320 --no-progress --json \
-    ${GPU_SERVE_SMOKE:+--num-requests 8} \
-    | tee "$dir/bench.out"
+set -o pipefail
+"${cli[@]}" bench serve --base-url "http://127.0.0.1:$port" --workload serve --vocab-size 320 --no-progress --json \
+    ${GPU_SERVE_SMOKE:+--num-requests 8} | tee "$dir/bench.out"
+status=$?
 tail -n 1 "$dir/bench.out" > "$json"
+exit $status

@@ -213,6 +213,9 @@ def compile_launch(launch: Launch, arch: int, label: str = "") -> CompiledLaunch
     try:
         source = ASTSource(_jit_function(launch.kernel), signature, constexprs=constexprs, attrs=attrs)
         options = {k: launch.kwargs[k] for k in _LAUNCH_OPTIONS if k in launch.kwargs}
+        if launch.name == "_paged_attention_kernel":  # its warps depend on the architecture too
+            options["num_warps"] = triton_attention._num_warps(
+                shown["BLOCK_M"] * shown["GROUP_P2"], shown["HEAD_DIM_P2"], launch.args[0].element_size(), arch)
         compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
     except Exception as exc:  # noqa: BLE001 - reported per launch
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]

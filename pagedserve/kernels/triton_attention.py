@@ -5,9 +5,10 @@ heads that share one KV head (GQA), so every K/V block is read once for the whol
 walks the sequence's block table in tiles of KV_TILE_TOKENS (several blocks gathered at
 once) with an online softmax, causal inside the new tokens. For long contexts the KV range
 is split across programs (flash-decoding): each split writes a partial result and its
-log-sum-exp, and a second kernel combines them. Every split but a very long context's last
-holds `tokens_per_split` tokens, so where a row's KV is cut depends on its own context only,
-never on the rest of its batch. The new keys and values are stored by slot mapping first
+log-sum-exp, and a second kernel combines them. Where a row's KV is cut depends on its own
+context only, never on the rest of its batch: each split holds `tokens_per_split` tokens
+(the last one fewer), or, for a context longer than `max_splits` such splits, a
+`max_splits`-th of it. The new keys and values are stored by slot mapping first
 (`triton_ops.kv_store`), so attention reads only the cache.
 
 The cache may be quantized (the layout of `reference_ops.quantize_kv_rows`, told by its
@@ -22,6 +23,7 @@ reference it is tested against.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -202,9 +204,12 @@ class TritonAttentionBackend(AttentionBackend):
                                              decode_only=all(q == 1 for q in metadata.query_lens_cpu))
 
     def min_blocks_per_split(self, block_size: int) -> int:
-        """Without a fixed split count, every split but a very long context's last holds
-        `tokens_per_split` tokens: where a row's KV is cut then depends on its own context
-        only, never on the longest one in the batch (which sets only how many splits run)."""
+        """The fewest KV blocks a split takes. Without a fixed split count, `tokens_per_split`
+        tokens' worth: a row's splits then hold that many tokens each (up to `max_splits`
+        of them; a longer context is shared out over `max_splits`), so where its KV is cut
+        depends on its own context only, never on the longest one in the batch, which sets
+        only how many splits run. With a fixed count (`num_splits`), one block: the row's
+        KV is shared out over that many splits, again by its own context alone."""
         return 1 if self.num_splits else -(-self.tokens_per_split // block_size)
 
     def splits_for(self, max_seq_len: int) -> int:
@@ -229,12 +234,26 @@ class TritonAttentionBackend(AttentionBackend):
 KV_TILE_TOKENS = 64
 
 
-def _num_warps(rows: int, head_dim_p2: int, element_size: int) -> int:
+def _num_warps(rows: int, head_dim_p2: int, element_size: int, arch: int | None) -> int:
     """A tile keeps its queries and its float32 accumulator in registers. From 16 KiB of
     queries (64 rows × 128 dims in bf16, 64 × 64 in fp32) that spills on sm_80 at 4 warps,
     and 8 warps do not (`python -m pagedserve.kernels.triton_aot` shows both); smaller
-    tiles, decode tiles among them, keep 4."""
+    tiles, decode tiles among them, keep 4. On sm_90 every tile keeps 4: there the 64 × 128
+    bf16 prefill tile ran 1.3-1.6x faster at 4 warps than at 8 (an H100, 4 × 4096 tokens,
+    two runs: docs/performance-history.md). `arch`: the compute capability as 80, 90...
+    (None off a GPU)."""
+    if arch is not None and arch >= 90:
+        return 4
     return 8 if rows * head_dim_p2 * element_size >= 16384 else 4
+
+
+@functools.cache
+def _arch(device: torch.device) -> int | None:
+    """The compute capability of a CUDA device as 80, 90...; None for any other device."""
+    if device.type != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
 
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
@@ -274,7 +293,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: Atten
         # model gets full float32 attention, as torch's own matmuls give it
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         KV_INT8=kv_cache.dtype == torch.int8, ROW_WIDTH=kv_cache.shape[4],
-        num_warps=_num_warps(block_m * group_p2, head_dim_p2, query.element_size()),
+        num_warps=_num_warps(block_m * group_p2, head_dim_p2, query.element_size(), _arch(query.device)),
     )
     if splits > 1:
         _combine_splits_kernel[(num_tokens * num_heads,)](

@@ -58,8 +58,9 @@ def test_every_engine_kernel_compiles_for_a100_and_h100():
         assert 0 < r["registers"] <= 255
         assert r["tf32_dots"] is False
         # only a prefill tile of 64 rows × 128 dims (Llama-3-8B: 16 tokens × 4 heads) takes 8 warps
-        # (whatever the cache); the GEMM's 64 × 128 tile of M > 64 takes 8 too
-        big_tile = r["kernel"] == "_paged_attention_kernel" and "llama3-8b bs16 mixed" in r["label"]
+        # (whatever the cache), and only below sm_90; the GEMM's 64 × 128 tile of M > 64 takes 8 too
+        big_tile = (r["kernel"] == "_paged_attention_kernel" and "llama3-8b bs16 mixed" in r["label"]
+                    and r["arch"] < 90)
         big_gemm = r["kernel"] in ("_w8a16_gemm_kernel", "_w4a16_gemm_kernel") and r["constants"]["BLOCK_M"] == 64
         assert r["num_warps"] == (8 if big_tile or big_gemm else 4), r
     assert "166 launches: 166 compiled, 0 refused by the compiler; 0 over the shared memory limit" in out
