@@ -39,8 +39,9 @@ _SOURCES = [_CSRC / "cpu_module.cpp", _CSRC / "cpu_paged_attention.cpp", _CSRC /
 
 #: -ffast-math, but no approximate reciprocals (-mno-recip): under -ffast-math GCC divides
 #: vectors by VRCPPS and a Newton step, whose bits differ between CPU models (SiLU gave
-#: silu(200) one ulp under 200 on one Intel Xeon and exactly 200 on another). A true division
-#: costs about 1 ms of a 130 ms batch-64 step.
+#: silu(200) one ulp under 200 on one Intel Xeon and exactly 200 on another). The true
+#: division measured no slower: SiLU·mul of 64 × 1536 for 30 layers, one thread, 4.1-5.0 ms
+#: against 6.0-7.2 ms with the estimate (Intel Xeon, AVX-512, loaded; alternated processes).
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-mno-recip"]
 
 
