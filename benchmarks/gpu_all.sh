@@ -15,6 +15,7 @@
 #
 # A machine without this project's dependencies: put wheels in .whl/ (installed into
 # /tmp/site) and, for `serve`, a redis-server in .gpu/ (.gpu/redis-server.sh).
+# benchmarks/gpu_carry.sh makes both here; carry them (".whl", ".gpu") to the GPU.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_all}
