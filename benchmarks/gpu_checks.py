@@ -88,7 +88,7 @@ def invariance_probes(device) -> None:
             part = torch.nn.functional.linear(x[:m], w)
             print(f"probe: bf16 linear K={k} N={n}: rows of M={m} == the same rows of M=2048: "
                   f"{torch.equal(part, full[:m])} (max |diff| {(part.float() - full[:m].float()).abs().max().item():.2e})")
-    from pagedserve.common.contracts import AttentionMetadata
+    from attention_helpers import metadata_in_order  # tests/, on the path through gpu_e2e
 
     heads, kv_heads, head_dim, block_size = 32, 8, 64, 16
     cache = torch.randn(2, 1024, block_size, kv_heads, head_dim, generator=g).to(device, torch.bfloat16)
@@ -97,11 +97,7 @@ def invariance_probes(device) -> None:
              "beside a 200-token prefill": ([1, 200], [300, 200])}
     outs = {}
     for name, (query_lens, seq_lens) in cases.items():
-        tables, first = [], 0
-        for length in seq_lens:  # the 300-token row's blocks are the same in every case
-            tables.append(list(range(first, first + -(-length // block_size))))
-            first += len(tables[-1])
-        meta = AttentionMetadata.for_batch(query_lens, seq_lens, tables, block_size, device)
+        meta = metadata_in_order(query_lens, seq_lens, block_size, device)  # the 300-token row keeps its blocks
         TritonAttentionBackend().prepare(meta, block_size)
         q = query[: sum(query_lens)]
         outs[name] = paged_attention(q, cache, meta, head_dim**-0.5, torch.empty_like(q))[:1]

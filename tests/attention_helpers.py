@@ -24,6 +24,16 @@ def build_batch(query_lens, context_lens, num_heads, num_kv_heads, head_dim, blo
     return query, key, value, kv_cache, metadata
 
 
+def metadata_in_order(query_lens, seq_lens, block_size, device="cpu") -> AttentionMetadata:
+    """Metadata whose block tables number the blocks in order, sequence after sequence: the
+    first sequence holds the same blocks in any batch it leads (batch-invariance checks)."""
+    tables, first = [], 0
+    for length in seq_lens:
+        tables.append(list(range(first, first + -(-length // block_size))))
+        first += len(tables[-1])
+    return AttentionMetadata.for_batch(query_lens, seq_lens, tables, block_size, device)
+
+
 def dense_reference(query, key, value, kv_cache, metadata, block_size, scale):
     """Straightforward float64 attention per sequence, after the new K/V are stored."""
     kv = kv_cache.clone().double()

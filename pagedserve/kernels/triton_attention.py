@@ -101,7 +101,7 @@ if triton is not None:
             # A quantized cache is widened to the query's dtype (int8 and float8_e4m3fn values
             # are exact in each). An int8 row's float32 scale, after its values, multiplies the
             # row's column of the scores (K) and of the probabilities (V) instead of its
-            # head_dim values: [rows, BLOCK_SIZE] products, not [BLOCK_SIZE, HEAD_DIM] ones.
+            # head_dim values: [rows, KV tile] products, not [KV tile, HEAD_DIM] ones.
             if KV_INT8:
                 k_scale = tl.load((k_cache_ptr + row_offs + HEAD_DIM).to(tl.pointer_type(tl.float32)), mask=page_ok,
                                   other=0.0)
@@ -115,7 +115,7 @@ if triton is not None:
             if DOT_FP32:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * scale  # [rows, BLOCK_SIZE]
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * scale  # [rows, PAGES * BLOCK_SIZE]
             if KV_INT8:
                 s = s * k_scale[None, :]
             k_pos = b * BLOCK_SIZE + n

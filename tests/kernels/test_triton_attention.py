@@ -9,7 +9,7 @@ triton = pytest.importorskip("triton")
 
 from pagedserve.kernels.triton_attention import TritonAttentionBackend, paged_attention  # noqa: E402
 
-from attention_helpers import build_batch, dense_reference  # noqa: E402
+from attention_helpers import build_batch, dense_reference, metadata_in_order  # noqa: E402
 
 SHAPES = [
     # (query lens, context lens, heads, kv heads, head_dim, block size): decodes first
@@ -53,19 +53,13 @@ def test_a_rows_bits_do_not_depend_on_the_longest_context_in_its_batch():
     and in 1-block pieces beside a 700-token one. (Beside a prefill chunk a decode row sits
     in a taller tile; here the interpreter's numpy matmul then rounds it differently, so
     that case is the GPU's: benchmarks/gpu_checks.py probes it.)"""
-    from pagedserve.common.contracts import AttentionMetadata
-
     heads, kv_heads, head_dim, block_size = 4, 2, 64, 16
     g = torch.Generator().manual_seed(0)
     kv_cache = torch.randn(2, 64, block_size, kv_heads, head_dim, generator=g)
     query = torch.randn(8, heads, head_dim, generator=g)
     rows, splits = [], []
     for query_lens, seq_lens in (([1], [150]), ([1, 1], [150, 700])):
-        tables, first = [], 0
-        for length in seq_lens:  # the 150-token row keeps its blocks in every batch
-            tables.append(list(range(first, first + -(-length // block_size))))
-            first += len(tables[-1])
-        metadata = AttentionMetadata.for_batch(query_lens, seq_lens, tables, block_size, "cpu")
+        metadata = metadata_in_order(query_lens, seq_lens, block_size)  # the 150-token row keeps its blocks
         TritonAttentionBackend(tokens_per_split=64).prepare(metadata, block_size)
         splits.append(metadata.backend_state.num_splits)
         q = query[: sum(query_lens)]
