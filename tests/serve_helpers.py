@@ -18,11 +18,23 @@ from pagedserve.common import redis_clients
 from pagedserve.common.queue_protocol import (
     Chunk,
     QueuedRequest,
+    Reply,
     WorkerInfo,
     decode_request,
     decode_worker_info,
-    encode,
 )
+
+
+def write_reply(client, request: QueuedRequest, chunk: Chunk) -> None:
+    """What a worker writes for `request`: an entry of its gateway's reply stream."""
+    client.xadd(request.reply_to, {q.REPLIES_FIELD: q.encode_replies([Reply(request.request_id, chunk)])})
+
+
+def chunks_of(client, reply_to: str, request_id: str) -> list[Chunk]:
+    """The chunks of one request in a reply stream, in order."""
+    return [r.chunk for _, fields in client.xrange(reply_to) for r in q.decode_replies(fields[q.REPLIES_FIELD])
+            if r.request_id == request_id]
+
 
 API_KEYS = {"sk-test-a": "tenant-a", "sk-test-b": "tenant-b"}
 
@@ -109,7 +121,7 @@ def fake_worker(redis_client, chunks: list[Chunk], taken: list[QueuedRequest] | 
                     taken.append(request)
                 redis_client.delete(q.REQUESTS)
                 for chunk in chunks:
-                    redis_client.xadd(q.output_key(request.request_id), {q.CHUNK_FIELD: encode(chunk)})
+                    write_reply(redis_client, request, chunk)
                 return
             time.sleep(0.01)
 

@@ -87,9 +87,10 @@ class ClockEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     cache_salt: str | None = None, resume: Any = None, tenant: str | None = None) -> None:
-        if resume is not None:
-            raise NotImplementedError("a ClockEngine does not resume requests")
-        self._requests[request_id] = _ClockRequest(request_id, prompt_token_ids, params.max_tokens or 16)
+        request = _ClockRequest(request_id, prompt_token_ids, params.max_tokens or 16)
+        if resume is not None:  # taken over: go on after what the client has (one completion)
+            request.generated = len(resume[0].token_ids)
+        self._requests[request_id] = request
         self.scheduler.num_running = len(self._requests)
 
     def abort_request(self, request_id: str, finish_reason: str = "abort", record: bool = True) -> RequestDelta | None:

@@ -4,7 +4,8 @@ the Lua scripts that keep the queue consistent live in `queue_scripts` and are e
 
     gateway ── QueuedRequest ──> pagedserve:requests[:{tenant}] ──────────> any worker
                              └─> pagedserve:routed:{worker_id}[:{tenant}] ──> that worker first
-    worker  ── Chunk ──────────> pagedserve:out:{request_id} ──> gateway
+    worker  ── Reply(request id, Chunk) ──> pagedserve:replies:{gateway_id} ──> that gateway
+    gateway ── Fold (a takeover's claim answered) ──> pagedserve:fold:{request_id}:{attempt}
 
 Keys:
 
@@ -25,7 +26,14 @@ Keys:
     pagedserve:tenant_routed       hash: tenant stream → its entries in routed streams (in flight)
     pagedserve:worker_tokens       hash: worker id → queued prompt tokens routed to it
     pagedserve:worker_queued       hash: worker id → queued requests routed to it
-    pagedserve:out:{request_id}    stream of Chunk, read by the gateway that admitted it
+    pagedserve:replies:{gateway_id}
+                                   stream of the outputs of every request one gateway admitted
+                                   (QueuedRequest.reply_to): a worker adds one entry per step,
+                                   the Replies of that gateway's requests; the gateway reads
+                                   it with one XREAD and trims what it read
+    pagedserve:fold:{id}:{attempt} list: the gateway's answer (Fold) to a worker that takes
+                                   the request over as that attempt: what the client has
+                                   been sent, short-lived
     pagedserve:workers             sorted set: worker id → heartbeat expiry (unix seconds)
     pagedserve:worker:{worker_id}  WorkerInfo, expiring with the heartbeat
     pagedserve:cancel              pub/sub channel of request ids to abort
@@ -34,8 +42,11 @@ Keys:
                                    renewed by the heartbeat of the worker running it, so
                                    the gateway can tell a request that no longer exists
 
-Both sides fold a request's chunks with the same `OutputLog`, so a worker that takes over a
-request from a dead one resumes from exactly what the client has been sent.
+Both sides fold a request's chunks with the same `OutputLog`. The gateway's fold is the
+record of what a client has been sent: a worker that takes over a request from a dead one
+writes a claim chunk into the request's reply stream, and the gateway answers it with its
+fold (`Fold`), from which the worker resumes. There is no per-request output stream: a
+step's chunks for one gateway are one entry, the unit of Redis's cost (docs/scaling.md).
 """
 
 from __future__ import annotations
@@ -47,7 +58,6 @@ import msgspec
 from pagedserve.common.outputs import CompletionDelta
 from pagedserve.common.queue_scripts import ACK_IF_OWNER as ACK_IF_OWNER
 from pagedserve.common.queue_scripts import ADMIT as ADMIT
-from pagedserve.common.queue_scripts import FINISH as FINISH
 from pagedserve.common.queue_scripts import HEARTBEAT as HEARTBEAT
 from pagedserve.common.queue_scripts import RECONCILE as RECONCILE
 from pagedserve.common.queue_scripts import STEAL as STEAL
@@ -64,8 +74,11 @@ QUEUED_TOKENS = "pagedserve:queued_tokens"
 TENANT_TOKENS = "pagedserve:tenant_tokens"
 WORKERS = "pagedserve:workers"
 CANCEL_CHANNEL = "pagedserve:cancel"
-#: how long a finished or abandoned output stream is kept (seconds)
+#: how long a reply stream lives after a worker last wrote to it (seconds; renewed at half),
+#: and a cancelled marker
 OUTPUT_TTL = 600
+#: how long a gateway's answer to a claim (fold_key) waits for its worker (seconds)
+FOLD_TTL = 60
 
 
 ROUTED = "pagedserve:routed"  # the prefix of the streams of requests routed to one worker
@@ -115,8 +128,12 @@ def check_worker_id(worker_id: str) -> str:
     return worker_id
 
 
-def output_key(request_id: str) -> str:
-    return f"pagedserve:out:{request_id}"
+def reply_key(gateway_id: str) -> str:
+    return f"pagedserve:replies:{gateway_id}"
+
+
+def fold_key(request_id: str, attempt: int) -> str:
+    return f"pagedserve:fold:{request_id}:{attempt}"
 
 
 def cancelled_key(request_id: str) -> str:
@@ -142,8 +159,8 @@ PROMPT_TOKENS_FIELD = b"t"
 #: an entry of a routed stream: the prompt tokens its worker held cached when it was routed
 #: (a decimal string, written by ADMIT; the STEAL script waits longer for more of them)
 CACHED_TOKENS_FIELD = b"c"
-#: an entry of output_key(request_id): one encoded Chunk
-CHUNK_FIELD = b"c"
+#: an entry of a reply stream (reply_key): the encoded Replies of one worker's step
+REPLIES_FIELD = b"r"
 
 # Stream replies as both sides' clients return them (decode_responses off: ids, names and
 # fields are bytes). redis-py types them as wide unions (bytes or str, RESP2 or RESP3
@@ -166,6 +183,7 @@ class QueuedRequest(msgspec.Struct, kw_only=True):
     deadline: float  # unix seconds: past it the request ends with a timeout error
     enqueued_at: float | None = None  # unix seconds of its admission (the queue-time metric and span)
     traceparent: str | None = None  # W3C trace context of the gateway's span
+    reply_to: str = ""  # the reply stream of the gateway that waits on its outputs (reply_key)
 
 
 class WireError(msgspec.Struct, kw_only=True):
@@ -179,7 +197,7 @@ class WireError(msgspec.Struct, kw_only=True):
 
 
 class Chunk(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """One entry of a request's output stream (one per engine step that touched it)."""
+    """A request's output of one engine step (or of several, merged), in its gateway's reply stream."""
 
     attempt: int  # the delivery this comes from: 1, then 2, … after a worker died
     deltas: list[CompletionDelta] = []  # as the worker's output processor made them
@@ -187,6 +205,13 @@ class Chunk(msgspec.Struct, kw_only=True, omit_defaults=True):
     done: bool = False  # the final entry: every completion ended, or `error`
     error: WireError | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (on `done`)
+
+
+class Reply(msgspec.Struct, array_like=True):
+    """One request's chunk in an entry of a reply stream."""
+
+    request_id: str
+    chunk: Chunk
 
 
 class WorkerInfo(msgspec.Struct, kw_only=True):
@@ -221,6 +246,14 @@ class CompletionLog(msgspec.Struct, kw_only=True):
     token_ids: list[int] = []
     num_chars: int = 0
     finish_reason: str | None = None
+
+
+class Fold(msgspec.Struct, kw_only=True):
+    """A gateway's answer to a takeover's claim (fold_key): what the client has been sent."""
+
+    waiting: bool  # False: no client waits on the request at this gateway any more (nothing to resume)
+    completions: list[CompletionLog] = []  # per completion, as `OutputLog` holds them
+    done: bool = False  # the request had its final chunk already
 
 
 class OutputLog:
@@ -268,11 +301,16 @@ class OutputLog:
     def num_generated_tokens(self) -> int:
         return sum(len(c.token_ids) for c in self.completions)
 
+    def fold(self) -> Fold:
+        return Fold(waiting=True, completions=self.completions, done=self.done)
+
 
 # -- encoding -----------------------------------------------------------------------------
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(QueuedRequest)
 _chunk_decoder = msgspec.msgpack.Decoder(Chunk)
+_replies_decoder = msgspec.msgpack.Decoder(list[Reply])
+_fold_decoder = msgspec.msgpack.Decoder(Fold)
 _info_decoder = msgspec.msgpack.Decoder(WorkerInfo)
 
 
@@ -286,6 +324,18 @@ def decode_request(data: bytes) -> QueuedRequest:
 
 def decode_chunk(data: bytes) -> Chunk:
     return _chunk_decoder.decode(data)
+
+
+def encode_replies(replies: list[Reply]) -> bytes:
+    return _encoder.encode(replies)
+
+
+def decode_replies(data: bytes) -> list[Reply]:
+    return _replies_decoder.decode(data)
+
+
+def decode_fold(data: bytes) -> Fold:
+    return _fold_decoder.decode(data)
 
 
 def decode_worker_info(data: bytes) -> WorkerInfo:

@@ -97,7 +97,7 @@ return 1
 #: KEYS: the entry's stream, tenant routed hash. ARGV: group, consumer, entry id, the
 #: tenant stream of a routed stream ("": the stream is a tenant stream). Returns 1 if
 #: acknowledged.
-_ACK = """
+ACK_IF_OWNER = """
 local function ack_if_owner(stream, routed_hash, group, consumer, entry_id, tenant)
   local ok, p = pcall(redis.call, 'XPENDING', stream, group, entry_id, entry_id, 1)
   if not ok or p[1] == nil or p[1][2] ~= consumer then return 0 end
@@ -107,21 +107,7 @@ local function ack_if_owner(stream, routed_hash, group, consumer, entry_id, tena
   end
   return 1
 end
-"""
-ACK_IF_OWNER = _ACK + """
 return ack_if_owner(KEYS[1], KEYS[2], ARGV[1], ARGV[2], ARGV[3], ARGV[4])
-"""
-
-#: A request's final chunk and its ack in one step: the chunk goes to the output stream,
-#: which then lives `ttl` seconds more, and the entry is acknowledged as by ACK_IF_OWNER.
-#: Atomic, and refused whole when Redis is full (no allow-oom flag): an entry is never
-#: acknowledged without its final chunk. KEYS: output stream, the entry's stream, tenant
-#: routed hash. ARGV: the encoded Chunk, ttl (seconds), group, consumer, entry id, the tenant
-#: stream of a routed stream (""). Returns 1 if acknowledged.
-FINISH = "#!lua\n" + _ACK + """
-redis.call('XADD', KEYS[1], '*', 'c', ARGV[1])
-redis.call('EXPIRE', KEYS[1], ARGV[2])
-return ack_if_owner(KEYS[2], KEYS[3], ARGV[3], ARGV[4], ARGV[5], ARGV[6])
 """
 
 #: A Lua function the scripts below share: the id of the last entry a consumer group has

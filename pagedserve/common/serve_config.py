@@ -104,6 +104,14 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     #: one entry; the first and the last go at once): fewer Redis entries, burstier streams.
     #: 0: every step (docs/scaling.md#redis-budget)
     output_interval: float = 0.0
+    #: entries a gateway's reply stream keeps at most (approximately, XADD MAXLEN ~): a bound on
+    #: Redis memory when a gateway stops reading; one that falls this far behind loses outputs
+    #: (its clients get request_lost). A gateway trims what it has read itself
+    reply_stream_max_len: int = 50_000
+    #: seconds a worker that takes over requests waits for their gateways to say what their
+    #: clients have been sent (at most half of worker_timeout: its step loop waits meanwhile);
+    #: a request whose gateway does not answer ends with request_lost
+    takeover_fold_timeout: float = 3.0
 
     def __post_init__(self) -> None:
         for name in ("max_queued_requests", "max_queued_tokens", "max_attempts", "max_body_bytes",
@@ -111,7 +119,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
                      "max_stop_string_length", "max_stop_token_ids", "tenant_max_requests",
                      "tenant_max_queued_tokens", "max_json_depth", "max_chat_messages",
                      "max_cache_salt_length", "max_tools", "tokenizer_threads", "max_connections", "keep_alive_timeout",
-                     "kv_events_max_len"):
+                     "kv_events_max_len", "reply_stream_max_len"):
             if getattr(self, name) < 1:
                 raise InvalidParameterError(name, "must be >= 1")
         for name in ("request_timeout", "heartbeat_interval", "worker_timeout", "drain_timeout", "header_timeout",
@@ -129,7 +137,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
                 raise InvalidParameterError(name, "must be > 0 seconds")
         if self.redis_maxmemory < 1:
             raise InvalidParameterError("redis_maxmemory", "must be >= 1 byte")
-        for name in ("prefix_lookup_timeout", "routing_info_ttl", "output_poll_interval"):
+        for name in ("prefix_lookup_timeout", "routing_info_ttl", "output_poll_interval", "takeover_fold_timeout"):
             if getattr(self, name) <= 0:
                 raise InvalidParameterError(name, "must be > 0 seconds")
         if self.output_interval < 0:

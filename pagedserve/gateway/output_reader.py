@@ -1,19 +1,22 @@
-"""`OutputReader`: how the gateway reads the output streams of the requests it waits on.
+"""`OutputReader`: how the gateway reads the outputs of the requests it admitted.
 
-One task reads every one of them with a single XREAD each `poll_interval`
-(ServeConfig.output_poll_interval), and hands each stream's new entries to the request
-that waits on it (`Subscription.batches`). A blocking XREAD per request would cost Redis a
-command, a wake-up and a socket write per request and step, the largest share of its CPU
-under load (`bench redis-load`); one read per tick costs a key lookup per waiting request,
-and a token waits at most one tick longer. When a read found nothing at all, the next one
-waits in Redis (BLOCK, one tick at most) and returns at the first entry written to any of
-the streams: an idle gateway hands over a first token at once instead of at the next tick,
-and a busy one, whose reads always find entries, reads once a tick as before. A stream
-whose request has `max_backlog` batches it has not taken yet is left out of the reads
-until it catches up, so a slow client's output waits in Redis, not in the gateway.
+Every worker writes one entry per step into this gateway's reply stream
+(queue_protocol.reply_key): the chunks of that step for this gateway's requests. One task
+reads the stream with a single XREAD every `poll_interval` (ServeConfig.output_poll_interval)
+and hands each chunk to the request it belongs to (`Subscription.chunks`), then trims what
+it read. When a read found nothing, the next one waits in Redis (BLOCK, up to 5 s) and
+returns at the first entry: an idle gateway hands over a first token at once, and a busy
+one, whose reads always find entries, reads once a tick. So a step of a worker costs Redis one entry for all
+its streams of this gateway, not one per stream, and a read is one key, not one per waiting
+request (docs/scaling.md#redis-budget).
 
-Entries are handed over in stream order, each once: what a request reads is exactly what
-its stream holds, as with a reader of its own.
+A request is subscribed before its admission (`QueueClient.submit`), so no chunk of it can
+come before its subscription. Chunks of requests nobody waits on here (their client left)
+are dropped. The reader folds each request's chunks itself (`Subscription.log`, as the
+request's reader will): it is the record of what the client has been or will be sent, and a
+worker that takes a request over asks for it with a claim chunk, which the reader answers
+at once (`fold_key`), whether or not the client is reading quickly. A slow client's chunks
+wait in this process, bounded by its request's output.
 """
 
 from __future__ import annotations
@@ -21,55 +24,72 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from typing import cast
 
+import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from pagedserve.common.queue_protocol import StreamEntry, StreamRead
+from pagedserve.common import queue_protocol as q
+from pagedserve.common.queue_protocol import Chunk, Fold, OutputLog, StreamRead
 
 logger = logging.getLogger(__name__)
 
-#: entries read from one stream per read (COUNT); a stream that had more is read again at once
-_COUNT = 256
+#: entries read per read (COUNT); a stream that had more is read again at once
+_COUNT = 512
 #: seconds the reader waits after Redis failed, before it reads again
 _RETRY_AFTER = 0.5
 #: the longest a waiting read waits in Redis (below the gateway client's 10 s socket timeout)
-_MAX_WAIT_S = 5.0
+_MAX_WAIT_MS = 5000
+#: seconds a subscription nobody opened (`open`) is kept: its admission failed half-way
+_UNOPENED_TTL = 120.0
 
 
 class Subscription:
-    """One request's output stream, as the reader hands it over."""
+    """One request's outputs, as the reader hands them over."""
 
-    def __init__(self, key: str):
-        self.key = key  # the output stream (queue_protocol.output_key)
-        self.last_id: bytes | str = "0-0"  # the last entry handed over; the next read starts after it
-        self.batches: asyncio.Queue[list[StreamEntry]] = asyncio.Queue()  # new entries, in order
+    def __init__(self, request_id: str, n: int):
+        self.request_id = request_id
+        self.chunks: asyncio.Queue[list[Chunk]] = asyncio.Queue()  # new chunks, in order, a batch per read
+        self.log = OutputLog(n)  # the reader's fold of every chunk handed over: a claim's answer
+        self.opened = False  # its request's reader took it (QueueClient.outputs)
+        self.created = time.monotonic()
 
 
 class OutputReader:
-    def __init__(self, client: aioredis.Redis, poll_interval: float, max_backlog: int = 64):
+    def __init__(self, client: aioredis.Redis, key: str, poll_interval: float):
         self.redis = client
+        self.key = key  # this gateway's reply stream
         self.poll_interval = poll_interval
-        self.max_backlog = max_backlog
-        self._subscriptions: dict[str, Subscription] = {}  # by output key
+        self._subscriptions: dict[str, Subscription] = {}  # by request id
+        self._last_id: bytes | str = "0-0"  # the last entry read; the next read starts after it
+        self._answers: list[tuple[str, bytes]] = []  # (fold key, encoded Fold) not yet written
+        self._next_sweep = 0.0
+        self._resync = False  # Redis failed: the stream may have come back shorter (a restart, a failover)
         self._task: asyncio.Task[None] | None = None
 
-    def subscribe(self, key: str) -> Subscription:
-        """Start handing over the entries of `key` (from its first); one subscription per stream."""
-        if key in self._subscriptions:
-            raise ValueError(f"{key} is read already")
-        subscription = Subscription(key)
-        self._subscriptions[key] = subscription
+    def subscribe(self, request_id: str, n: int) -> Subscription:
+        """Start handing over the chunks of `request_id` (with `n` completions); its
+        subscription as it is if it has one (an admission tried again)."""
+        if (subscription := self._subscriptions.get(request_id)) is not None:
+            return subscription
+        subscription = Subscription(request_id, n)
+        self._subscriptions[request_id] = subscription
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run(), name="output-reader")
         return subscription
 
-    def unsubscribe(self, subscription: Subscription) -> None:
-        if self._subscriptions.get(subscription.key) is subscription:
-            del self._subscriptions[subscription.key]
+    def open(self, request_id: str, n: int) -> Subscription:
+        """The subscription of an admitted request, for its reader (subscribed now if it was not)."""
+        subscription = self.subscribe(request_id, n)
+        subscription.opened = True
+        return subscription
+
+    def unsubscribe(self, request_id: str) -> None:
+        self._subscriptions.pop(request_id, None)
 
     async def close(self) -> None:
         if self._task is not None:
@@ -87,41 +107,76 @@ class OutputReader:
             try:
                 found, more = await self._read_once(wait)
             except (RedisConnectionError, RedisTimeoutError) as exc:
-                logger.warning("reading the output streams: redis unavailable (%s)", exc)
-                wait = False
+                logger.warning("reading the reply stream: redis unavailable (%s)", exc)
+                wait, self._resync = False, True
                 await asyncio.sleep(_RETRY_AFTER)
                 continue
             except RedisError as exc:
-                logger.error("reading the output streams failed: %s", exc)
+                logger.error("reading the reply stream failed: %s", exc)
                 wait = False
                 await asyncio.sleep(_RETRY_AFTER)
                 continue
-            if found is None:  # no stream with room: nothing to wait on in Redis
-                wait = False
-                await asyncio.sleep(max(0.0, started + self.poll_interval - loop.time()))
-            elif not found:
+            self._sweep()
+            if not found:
                 wait = True  # read again at once, waiting in Redis (a waiting read that timed out too)
             elif not more:
                 wait = False
                 await asyncio.sleep(max(0.0, started + self.poll_interval - loop.time()))
 
-    async def _read_once(self, wait: bool) -> tuple[bool | None, bool]:
-        """One XREAD of every stream with room, waiting up to a tick for an entry when `wait`.
-        Returns (whether it found entries, None when no stream had room; whether a stream had
-        more than one read takes)."""
-        streams: dict[bytes | str | memoryview, int | bytes | str | memoryview] = {
-            key: s.last_id for key, s in self._subscriptions.items() if s.batches.qsize() < self.max_backlog}
-        if not streams:
-            return None, False
-        block = max(1, round(min(self.poll_interval, _MAX_WAIT_S) * 1000)) if wait else None
-        reply = cast(StreamRead, await self.redis.xread(streams, count=_COUNT, block=block))
-        found = more = False
-        for name, entries in reply or []:
-            subscription = self._subscriptions.get(name.decode())
-            if subscription is None or not entries:
-                continue  # its request stopped waiting meanwhile
-            subscription.last_id = entries[-1][0]
-            subscription.batches.put_nowait(entries)
-            found = True
-            more = more or len(entries) == _COUNT
-        return found, more
+    async def _read_once(self, wait: bool) -> tuple[bool, bool]:
+        """One XREAD of the reply stream, waiting up to a tick for an entry when `wait`; hands
+        the chunks over, answers the claims, trims what was read. Returns (whether it found
+        entries, whether there were more than one read takes)."""
+        if self._resync:
+            await self._resync_cursor()
+        block = _MAX_WAIT_MS if wait else None
+        reply = cast(StreamRead, await self.redis.xread({self.key: self._last_id}, count=_COUNT, block=block))
+        entries = [e for _name, es in reply or [] for e in es]
+        if not entries:
+            return False, False
+        batches: dict[str, list[Chunk]] = {}
+        answers = self._answers  # with any a failed write left
+        for _entry_id, fields in entries:
+            try:
+                replies = q.decode_replies(fields[q.REPLIES_FIELD])
+            except (KeyError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+                logger.error("ignoring a malformed entry of %s: %s", self.key, exc)
+                continue
+            for r in replies:
+                subscription = self._subscriptions.get(r.request_id)
+                if subscription is not None:
+                    subscription.log.apply(r.chunk)
+                    batches.setdefault(r.request_id, []).append(r.chunk)
+                if r.chunk.claim:
+                    fold = subscription.log.fold() if subscription is not None else Fold(waiting=False)
+                    answers.append((q.fold_key(r.request_id, r.chunk.attempt), q.encode(fold)))
+        self._last_id = entries[-1][0]
+        for request_id, chunks in batches.items():
+            self._subscriptions[request_id].chunks.put_nowait(chunks)
+        pipe = self.redis.pipeline(transaction=False)
+        for key, data in answers:
+            pipe.rpush(key, data)
+            pipe.expire(key, q.FOLD_TTL)
+        pipe.xtrim(self.key, minid=self._last_id, approximate=True)  # what was read goes (the last entry stays)
+        await pipe.execute()  # raises with the answers kept: they go with the next read's
+        answers.clear()
+        return True, len(entries) == _COUNT
+
+    async def _resync_cursor(self) -> None:
+        """After Redis failed: a restarted Redis or a promoted replica may have lost the last
+        entry read, and give new entries ids below it (another host's clock). Then everything
+        the stream still holds is read again: little, as the reader trims what it read, and
+        harmless, as a request's log takes each delta once (a claim is answered again)."""
+        if self._last_id != "0-0" and not await self.redis.xrange(self.key, self._last_id, self._last_id):
+            self._last_id = "0-0"
+        self._resync = False
+
+    def _sweep(self) -> None:
+        """Forget subscriptions whose request's reader never came (admission failed half-way)."""
+        now = time.monotonic()
+        if now < self._next_sweep:
+            return
+        self._next_sweep = now + 1.0
+        for request_id in [r for r, s in self._subscriptions.items() if not s.opened and now - s.created > _UNOPENED_TTL]:
+            del self._subscriptions[request_id]
+

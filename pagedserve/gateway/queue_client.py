@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import cast
 
@@ -25,7 +25,6 @@ from pagedserve.common.queue_protocol import (
     OutputLog,
     QueuedRequest,
     WorkerInfo,
-    decode_chunk,
     decode_worker_info,
     encode,
 )
@@ -52,7 +51,9 @@ _LOST_AFTER_MISSES = 2
 
 
 class QueueClient:
-    def __init__(self, redis_url: str, config: ServeConfig):
+    def __init__(self, redis_url: str, config: ServeConfig, gateway_id: str | None = None):
+        """`gateway_id` names this gateway's reply stream: a new one by default. Two clients
+        given the same id read the same stream: only one may read it at a time."""
         self.config = config
         # Every streaming request holds one connection while it blocks on its output. A pooled
         # connection that a Redis restart closed fails once and is retried on a new one
@@ -65,7 +66,9 @@ class QueueClient:
             retry_on_error=[RedisConnectionError, RedisTimeoutError])
         self._admit = self.redis.register_script(q.ADMIT)
         self._reconcile = self.redis.register_script(q.RECONCILE)
-        self.reader = OutputReader(self.redis, config.output_poll_interval)  # every output stream, one XREAD a tick
+        self.gateway_id = gateway_id or uuid.uuid4().hex  # its reply stream's name
+        self.reply_key = q.reply_key(self.gateway_id)
+        self.reader = OutputReader(self.redis, self.reply_key, config.output_poll_interval)  # one XREAD a tick
 
     async def close(self) -> None:
         await self.reader.close()
@@ -120,6 +123,7 @@ class QueueClient:
         QueueFullError (TenantLimitError when the tenant's own limits, default the
         config's, are reached) / ServiceUnavailableError."""
         config = self.config
+        request = msgspec.structs.replace(request, reply_to=self.reply_key)
         max_requests = max_requests or config.tenant_max_requests
         max_queued_tokens = max_queued_tokens or config.tenant_max_queued_tokens
         num_tokens = len(request.prompt_token_ids)
@@ -131,17 +135,25 @@ class QueueClient:
         routed = q.routed_key(worker_id, request.tenant) if worker_id else tenant_stream
         keys = [tenant_stream, q.QUEUED, q.QUEUED_TOKENS, q.WORKERS, q.admitted_key(request.request_id),
                 q.TENANTS, q.TENANT_TOKENS, routed, q.TENANT_ROUTED, q.WORKER_TOKENS, q.WORKER_QUEUED]
+        # subscribed first: a worker may write its first chunk before the script's reply is read
+        self.reader.subscribe(request.request_id, request.params.n)
         try:
             admitted, detail, *written = await self._admit(keys=keys, args=args)
         except (RedisConnectionError, RedisTimeoutError) as exc:
+            self.reader.unsubscribe(request.request_id)
             raise ServiceUnavailableError(f"the queue is unreachable: {exc}") from None
         except RedisOutOfMemoryError:
             # Redis is at its maxmemory (noeviction) and refused the script before it wrote
             # anything: nothing was admitted, and a retry may fit.
+            self.reader.unsubscribe(request.request_id)
             raise ServiceUnavailableError("the queue is out of memory (Redis maxmemory); retry later") from None
+        except BaseException:
+            self.reader.unsubscribe(request.request_id)
+            raise
         if admitted:
             # a retried admission ("again") was written by the first try, wherever that was
             return written[0].decode() if written else tenant_stream
+        self.reader.unsubscribe(request.request_id)
         if detail == b"no_worker":
             raise ServiceUnavailableError("no worker is serving this model right now; try again shortly")
         if detail == b"tenant_requests":
@@ -177,13 +189,12 @@ class QueueClient:
         RequestLost when the request's admitted marker stays gone (Redis restarted without
         it and no worker runs it: nobody will ever answer).
         """
-        key = q.output_key(request_id)
         log = OutputLog(n)
         # The worker running a request renews its marker every heartbeat; checks are spaced
         # so that two misses in a row cannot both fall before a renewal.
         check_every = max(1.0, 2 * self.config.heartbeat_interval)
         next_check, misses = time.monotonic() + check_every, 0
-        subscription = self.reader.subscribe(key)  # Redis away: the reader waits for it
+        subscription = self.reader.open(request_id, n)  # subscribed at admission; Redis away: the reader waits
         try:
             while not log.done:
                 if time.time() > deadline:
@@ -196,19 +207,17 @@ class QueueClient:
                     if misses >= _LOST_AFTER_MISSES:
                         raise RequestLost(request_id)
                 try:
-                    entries = await asyncio.wait_for(subscription.batches.get(), timeout=_WAIT_S)
+                    chunks = await asyncio.wait_for(subscription.chunks.get(), timeout=_WAIT_S)
                 except TimeoutError:
                     continue
-                for _entry_id, fields in entries:
-                    accepted = log.apply(decode_chunk(fields[q.CHUNK_FIELD]))
+                for chunk in chunks:
+                    accepted = log.apply(chunk)
                     if log.gap:  # never hand out an answer with tokens missing in the middle
                         raise RequestLost(request_id)
                     if accepted or log.done:
                         yield accepted, log
         finally:
-            self.reader.unsubscribe(subscription)
-        with contextlib.suppress(RedisError):  # it expires anyway
-            await self.redis.unlink(key)
+            self.reader.unsubscribe(request_id)
 
     async def _exists(self, request_id: str) -> bool:
         """Whether the request's admitted marker is there (Redis away: assume it is)."""
@@ -219,11 +228,11 @@ class QueueClient:
 
     async def cancel(self, request_id: str) -> None:
         """Abort a request wherever it is: queued (flag) or running (pub/sub to workers)."""
+        self.reader.unsubscribe(request_id)  # its chunks still on their way are dropped
         try:
             async with self.redis.pipeline(transaction=False) as pipe:
                 pipe.set(q.cancelled_key(request_id), 1, ex=q.OUTPUT_TTL)
                 pipe.publish(q.CANCEL_CHANNEL, request_id)
-                pipe.unlink(q.output_key(request_id))
                 await pipe.execute()
         except RedisError as exc:
             logger.warning("could not cancel %s: %s", request_id, exc)

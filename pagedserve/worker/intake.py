@@ -4,7 +4,8 @@ worker still takes one request of each tenant it runs nothing of, so that the sc
 can give that tenant its share at the next step. Each entry taken is checked before the
 engine gets it: a client gone while it was queued, too many deliveries, a deadline passed
 in the queue end it here; one another worker ran before resumes where its client's output
-stands.
+stands, as its gateway answers the claim (`Takeover.claim_outputs`, one wait for all the
+entries taken together).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import logging
 import time
 
 from pagedserve.common.errors import PagedServeError
-from pagedserve.common.queue_protocol import WireError, tenant_stream_of
+from pagedserve.common.queue_protocol import Fold, WireError, tenant_stream_of
 from pagedserve.common.serve_config import ServeConfig
 from pagedserve.engine.engine import Engine
 from pagedserve.engine.input_processor import ResumedCompletion
@@ -48,8 +49,7 @@ class Intake:
     def take(self) -> None:
         if time.monotonic() >= self._next_reclaim:
             if (room := self._room()) > 0:
-                for entry in self.queue.takeover.reclaim(room):
-                    self._start(entry)
+                self._start_all(self.queue.takeover.reclaim(room))
             self._next_reclaim = time.monotonic() + self.config.heartbeat_interval
         view = self.queue.reader.streams()
         if (room := self._room()) > 0:
@@ -66,10 +66,24 @@ class Intake:
                                                                             orphaned=view.orphaned)) if newcomers else []
         if self.metrics is not None and (stolen := sum(e.stolen for e in taken)):
             self.metrics.count_steals(stolen)
-        for entry in taken:
-            self._start(entry)
+        self._start_all(taken)
 
-    def _start(self, entry: TakenEntry) -> None:
+    def _start_all(self, entries: list[TakenEntry]) -> None:
+        """Start each entry; the ones other workers ran before resume from their gateways'
+        answers to one claim each, waited for together."""
+        runs = [(entry, run) for entry in entries if (run := self._checked(entry)) is not None]
+        folds = self.queue.takeover.claim_outputs(
+            [(run.request_id, run.reply_to, run.attempt) for _, run in runs if run.attempt > 1])
+        for entry, run in runs:
+            resume = None
+            if run.attempt > 1:
+                resume = self._resume_state(run, entry.request.params.n, folds[run.request_id])
+                if resume is None:
+                    continue
+            self._start(entry, run, resume)
+
+    def _checked(self, entry: TakenEntry) -> Running | None:
+        """The entry's run if it goes to the engine; None when it ends (or carries on) here."""
         request = entry.request
         if (mine := self.running.get(request.request_id)) is not None:
             # Reclaimed by this worker itself: its loop paused past worker_timeout (a slow step),
@@ -79,30 +93,30 @@ class Intake:
                 logger.error("entry %s of %s repeats running request %s; dropped", entry.entry_id, entry.stream,
                              request.request_id)
                 self.queue.outbox.ack(entry.stream, entry.entry_id)
-            return
-        run = Running(entry.stream, entry.entry_id, request.request_id, entry.attempt, request.deadline)
+            return None
+        run = Running(entry.stream, entry.entry_id, request.request_id, entry.attempt, request.deadline,
+                      request.reply_to)
         if self.metrics is not None and entry.attempt == 1 and request.enqueued_at is not None:
             # a later delivery's wait since admission includes the run on a worker that died
             self.metrics.observe_queue_time(time.time() - request.enqueued_at)
         if self.queue.cancellations.is_cancelled(request.request_id):
             self.queue.outbox.ack(entry.stream, entry.entry_id)  # the client left while it was queued
             self._count_unstarted("abort", request.params.n)
-            return
+            return None
         self.traces.start(request, entry.attempt)
         if entry.attempt > self.config.max_attempts:
             self.running.end(run, WireError(message=f"the request failed: {entry.attempt - 1} workers died while running it",
                                             type="server_error", code="worker_failed", status_code=500), started=False)
             self._count_unstarted("error", request.params.n)
-            return
+            return None
         if time.time() > request.deadline:
             self.running.end(run, timeout_error(self.config), started=False)
             self._count_unstarted("abort", request.params.n)  # as a running request past its deadline
-            return
-        resume = None
-        if entry.attempt > 1:
-            resume = self._resume_state(run, request.params.n)
-            if resume is None:
-                return
+            return None
+        return run
+
+    def _start(self, entry: TakenEntry, run: Running, resume: list[ResumedCompletion] | None) -> None:
+        request = entry.request
         try:
             self.engine.add_request(request.request_id, request.prompt_token_ids, request.params,
                                     cache_salt=request.cache_salt, resume=resume, tenant=request.tenant)
@@ -126,13 +140,23 @@ class Intake:
         if self.metrics is not None:
             self.metrics.count_finished(reason, n)
 
-    def _resume_state(self, run: Running, n: int) -> list[ResumedCompletion] | None:
-        """What the client has of each completion; None (and the entry settled) if nothing is left."""
-        log = self.queue.takeover.claim_output(run.request_id, run.attempt, n)
-        if log.done:
+    def _resume_state(self, run: Running, n: int, fold: Fold | None) -> list[ResumedCompletion] | None:
+        """What the client has of each completion, as its gateway answered (`fold`; None: no
+        answer); None, and the entry settled, if nothing is left to do."""
+        if fold is None:  # its gateway is gone or far behind: end it visibly, should it read again
+            self.running.end(run, WireError(message="the worker that took the request over could not learn what its "
+                                                    "client had been sent; retry it", type="server_error",
+                                            code="request_lost", status_code=503), started=False)
+            self._count_unstarted("error", n)
+            return None
+        if fold.done:  # its final chunk was written before the old owner stopped
             self.queue.outbox.ack(run.stream, run.entry_id)
             return None
-        if all(c.finish_reason is not None for c in log.completions):
+        if not fold.waiting:  # its client went away
+            self.queue.outbox.ack(run.stream, run.entry_id)
+            self._count_unstarted("abort", n)
+            return None
+        if all(c.finish_reason is not None for c in fold.completions):
             self.running.end(run, None, started=False)
             return None
-        return [ResumedCompletion(c.token_ids, c.num_chars, c.finish_reason) for c in log.completions]
+        return [ResumedCompletion(c.token_ids, c.num_chars, c.finish_reason) for c in fold.completions]

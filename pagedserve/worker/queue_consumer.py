@@ -43,14 +43,14 @@ class QueueConsumer:
         self.worker_id = q.check_worker_id(worker_id or new_worker_id())
         self.redis = redis_clients.sync_client(redis_url, socket_connect_timeout=2, health_check_interval=10)
         self._stop = threading.Event()
-        self.outbox = Outbox(self.redis, self.worker_id, config.output_interval)
+        self.outbox = Outbox(self.redis, self.worker_id, config.output_interval, config.reply_stream_max_len)
         self.reader = RequestReader(self.redis, config, self.worker_id, self.outbox, self._stop)
         self.takeover = Takeover(self.redis, config, self.worker_id, self.reader, self.outbox)
         self.cancellations = Cancellations(self.redis)
         self.heartbeat = Heartbeat(self.redis, config, self.worker_id, self._stop)
 
     def connection_lost(self) -> None:
-        """Redis went away: subscribe again once it is back, and set the outputs' TTLs again."""
+        """Redis went away: subscribe again once it is back, and set the reply streams' TTLs again."""
         self.cancellations.connection_lost()
         self.outbox.connection_lost()
 

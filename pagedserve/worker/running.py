@@ -3,7 +3,7 @@ of them ends:
 - the engine finished it: its last deltas go out marked done, then the ack (`forward`);
 - it ends here, with an error (past its deadline, a failed start, a shutdown) or with
   nothing left to send: a final chunk, then the ack (`end`, `expire_deadlines`);
-- its client went away: aborted, acknowledged, its output deleted (`cancel`);
+- its client went away: aborted, acknowledged, its chunks held back dropped (`cancel`);
 - another worker took its entry over (this one stalled): dropped without a word, the other
   worker reports it (`drop_lost`);
 - this worker stops (a drain ran out of time) while others take requests: handed back,
@@ -39,6 +39,7 @@ class Running:
     request_id: str
     attempt: int  # delivery count: 1 unless another worker died with it
     deadline: float  # unix seconds
+    reply_to: str  # the reply stream of its gateway (QueuedRequest.reply_to)
 
 
 def timeout_error(config: ServeConfig) -> WireError:
@@ -86,20 +87,22 @@ class RunningRequests(Mapping[str, Running]):
             deltas = out.deltas
             if out.finished:
                 error = None if out.error is None else WireError(message=out.error, code="engine_error")
-                self.outbox.finish(run.request_id, Chunk(attempt=run.attempt, deltas=deltas, done=True, error=error,
-                                                         num_cached_tokens=out.num_cached_tokens),
+                self.outbox.finish(run.request_id, run.reply_to,
+                                   Chunk(attempt=run.attempt, deltas=deltas, done=True, error=error,
+                                         num_cached_tokens=out.num_cached_tokens),
                                    run.stream, run.entry_id)
                 self._runs.pop(run.request_id, None)
                 self._owned_changed()
             elif deltas:
-                self.outbox.send(run.request_id, Chunk(attempt=run.attempt, deltas=deltas))
+                self.outbox.send(run.request_id, run.reply_to, Chunk(attempt=run.attempt, deltas=deltas))
 
     def end(self, run: Running, error: WireError | None, started: bool = True) -> None:
         """Final outcome outside a normal finish: an error (or nothing left), then the ack."""
         self.traces.error(run.request_id, error, started)
         if started:
             self._forget(run)
-        self.outbox.finish(run.request_id, Chunk(attempt=run.attempt, done=True, error=error), run.stream, run.entry_id)
+        self.outbox.finish(run.request_id, run.reply_to, Chunk(attempt=run.attempt, done=True, error=error),
+                           run.stream, run.entry_id)
 
     def cancel(self, request_ids: Iterable[str]) -> None:
         """These requests' clients went away."""
@@ -109,8 +112,8 @@ class RunningRequests(Mapping[str, Running]):
                 logger.info("request %s cancelled by its client", request_id)
                 self.num_cancelled += 1
                 self._forget(run)
+                self.outbox.drop(request_id)
                 self.outbox.ack(run.stream, run.entry_id)
-                self.outbox.delete_output(request_id)
 
     def drop_lost(self, lost: set[tuple[str, str]]) -> None:
         """These entries (stream, entry id) are in another worker's hands now."""

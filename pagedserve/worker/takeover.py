@@ -1,20 +1,26 @@
 """`Takeover`: how a worker takes over the requests of a worker that stopped. Its heartbeat
 stopped, so its entries went idle: `reclaim` moves them to this worker (XAUTOCLAIM, from
-every request stream), each with its delivery count. Before it resumes one, `claim_output`
-fences the old owner off in the request's output stream and reads what the client has been
-sent, so that the request goes on from there. (The other way round, an entry of this worker
-that another one took, is what the heartbeat reports: `Heartbeat.lost_entries`.)
+every request stream), each with its delivery count. Before it resumes them, `claim_outputs`
+fences the old owner off and asks each request's gateway what its client has been sent: a
+claim chunk goes into the gateway's reply stream, after everything the old owner wrote
+there, so the gateway voids what comes later from older attempts and answers with its fold
+of the rest (`Fold`, on fold_key). The gateway is the record of what a client was sent;
+one that does not answer within `takeover_fold_timeout` is gone with its clients. (The other
+way round, an entry of this worker that another one took, is what the heartbeat reports:
+`Heartbeat.lost_entries`.)
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Sequence
 from typing import cast
 
 import redis
 
 from pagedserve.common import queue_protocol as q
-from pagedserve.common.queue_protocol import Chunk, OutputLog, StreamEntry, decode_chunk, encode
+from pagedserve.common.queue_protocol import Chunk, Fold, decode_fold
 from pagedserve.common.serve_config import ServeConfig
 from pagedserve.worker.outbox import Outbox
 from pagedserve.worker.request_reader import RequestReader, TakenEntry
@@ -29,7 +35,7 @@ class Takeover:
         self.config = config
         self.worker_id = worker_id
         self._reader = reader  # decodes what it reclaims
-        self._outbox = outbox  # flushed before a claim: pending writes go first
+        self._outbox = outbox  # writes the claims, after what waits there
 
     def reclaim(self, room: int) -> list[TakenEntry]:
         """Up to `room` entries of workers whose heartbeat stopped, now this worker's (from
@@ -55,13 +61,30 @@ class Takeover:
                 claimed.append((stream, entry_id, fields, attempt))
         return self._reader.decoded(claimed)
 
-    def claim_output(self, request_id: str, attempt: int, n: int) -> OutputLog:
-        """Fence older attempts off in the request's output stream, then fold what the
-        client has been sent (pending writes go first)."""
-        self._outbox.flush()
-        key = q.output_key(request_id)
-        claim_id = self.redis.xadd(key, {q.CHUNK_FIELD: encode(Chunk(attempt=attempt, claim=True))})
-        log = OutputLog(n)
-        for _, fields in cast("list[StreamEntry]", self.redis.xrange(key, "-", claim_id)):
-            log.apply(decode_chunk(fields[q.CHUNK_FIELD]))
-        return log
+    def claim_outputs(self, requests: Sequence[tuple[str, str, int]]) -> dict[str, Fold | None]:
+        """Claim each (request id, reply stream, attempt) and wait, up to takeover_fold_timeout
+        for them all, for their gateways' answers. Returns the answers by request id, None where
+        none came."""
+        if not requests:
+            return {}
+        for request_id, reply_to, attempt in requests:
+            self._outbox.send(request_id, reply_to, Chunk(attempt=attempt, claim=True))
+        self._outbox.flush()  # pending writes first, then the claims
+        keys = {q.fold_key(request_id, attempt): request_id for request_id, _, attempt in requests}
+        answers: dict[str, Fold | None] = {}
+        timeout = min(self.config.takeover_fold_timeout, self.config.worker_timeout / 2)
+        deadline = time.monotonic() + timeout
+        while len(answers) < len(keys) and (left := deadline - time.monotonic()) > 0:
+            waiting = [k for k, r in keys.items() if r not in answers]
+            # BLPOP's timeout is whole or fractional seconds; 0 would block forever
+            reply = cast("tuple[bytes, bytes] | None", self.redis.blpop(waiting, timeout=max(left, 0.01)))
+            if reply is None:
+                break
+            key, data = reply[0].decode(), reply[1]
+            answers[keys[key]] = decode_fold(data)
+        for request_id in keys.values():
+            if request_id not in answers:
+                logger.warning("worker %s: no gateway answered the claim of request %s within %g s",
+                               self.worker_id, request_id, timeout)
+                answers[request_id] = None
+        return answers

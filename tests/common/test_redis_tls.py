@@ -136,7 +136,7 @@ def test_gateway_and_worker_round_trip_over_tls(tls_redis):
             await gateway.submit(request)
             [taken] = await asyncio.to_thread(consumer.reader.pull, 1, 1000)
             assert taken.request.prompt_token_ids == [1, 2, 3]
-            consumer.outbox.send("tls-1", Chunk(attempt=1, deltas=[CompletionDelta(index=0, start=0, token_ids=[7, 8], text="hi",
+            consumer.outbox.send("tls-1", taken.request.reply_to, Chunk(attempt=1, deltas=[CompletionDelta(index=0, start=0, token_ids=[7, 8], text="hi",
                                                                                    finish_reason="length")], done=True))
             consumer.outbox.ack(taken.stream, taken.entry_id)
             await asyncio.to_thread(consumer.outbox.flush)

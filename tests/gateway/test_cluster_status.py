@@ -23,6 +23,7 @@ from pagedserve.gateway.app import create_app
 from pagedserve.gateway.console import CONTENT_SECURITY_POLICY, STATIC
 from pagedserve.gateway.tokenizer import PromptTokenizer
 
+from serve_helpers import write_reply
 from tiny_models import build_tokenizer
 
 KEY = "sk-console"
@@ -73,7 +74,7 @@ def _answer_everything(client, stop: threading.Event) -> threading.Thread:
                     answered.add(request.request_id)
                     chunk = Chunk(attempt=1, done=True, deltas=[
                         CompletionDelta(index=0, start=0, token_ids=[5, 6], text="ab", finish_reason="length")])
-                    client.xadd(q.output_key(request.request_id), {q.CHUNK_FIELD: encode(chunk)})
+                    write_reply(client, request, chunk)
             time.sleep(0.01)
 
     thread = threading.Thread(target=run, daemon=True)

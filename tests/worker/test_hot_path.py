@@ -1,10 +1,10 @@
 """The Redis commands of a worker's step, counted exactly: a worker that runs S streams
-writes one pipeline per step holding one XADD per stream and nothing else (no EXPIRE per
-chunk), reads the request streams' names once, and ends each request with one FINISH
-script (its final chunk, the TTL, the ack). The engine is a `ClockEngine` (no model), the
-worker the real `WorkerService`, the requests admitted by the gateway's `QueueClient`, and
-the commands counted by the redis-server itself (`INFO commandstats`) and at the client
-(what each pipeline held)."""
+writes one transaction per step holding one XADD per gateway its requests came from and
+nothing else (no EXPIRE per chunk), reads the request streams' names once, and ends each
+request with its final chunk in that XADD and one ACK_IF_OWNER script. The engine is a
+`ClockEngine` (no model), the worker the real `WorkerService`, the requests admitted by the
+gateway's `QueueClient`, and the commands counted by the redis-server itself (`INFO
+commandstats`) and at the client (what each pipeline held)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import redis
 
 from pagedserve.bench.fake_engine import ClockEngine, expected_token
 from pagedserve.common import queue_protocol as q
-from pagedserve.common.queue_protocol import Chunk, CompletionDelta, QueuedRequest
+from pagedserve.common.queue_protocol import Chunk, CompletionDelta, QueuedRequest, Reply
 from pagedserve.common.redis_server import EmbeddedRedis
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.common.serve_config import ServeConfig
@@ -42,13 +42,16 @@ def _prompt(i: int) -> list[int]:
     return [100 + i, 5, 6]
 
 
-def _admit(url: str, count: int) -> list[QueuedRequest]:
+GATEWAY = "g1"  # the gateway id of the clients that admit and read (one after the other)
+
+
+def _admit(url: str, count: int, gateway_id: str = GATEWAY, first: int = 0) -> list[QueuedRequest]:
     async def admit() -> list[QueuedRequest]:
-        client = QueueClient(url, CONFIG)
+        client = QueueClient(url, CONFIG, gateway_id)
         try:
             requests = [QueuedRequest(request_id=f"r{i}", prompt_token_ids=_prompt(i), deadline=time.time() + 120,
                                       params=SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
-                        for i in range(count)]
+                        for i in range(first, first + count)]
             for request in requests:
                 await client.submit(request)
             return requests
@@ -58,10 +61,10 @@ def _admit(url: str, count: int) -> list[QueuedRequest]:
     return asyncio.run(admit())
 
 
-def _outputs(url: str, requests: list[QueuedRequest]) -> dict[str, list[int]]:
-    """Every request's tokens as the gateway reads them."""
+def _outputs(url: str, requests: list[QueuedRequest], gateway_id: str = GATEWAY) -> dict[str, list[int]]:
+    """Every request's tokens as their gateway reads them (from its reply stream's start)."""
     async def read() -> dict[str, list[int]]:
-        client = QueueClient(url, CONFIG)
+        client = QueueClient(url, CONFIG, gateway_id)
         try:
             async def one(r: QueuedRequest) -> list[int]:
                 log = None
@@ -105,37 +108,44 @@ def _worker(url: str, tokens_per_step: int) -> tuple[WorkerService, ClockEngine]
     return service, engine
 
 
+def _replies(admin: redis.Redis, gateway_id: str = GATEWAY) -> list[list[Reply]]:
+    """The entries of a gateway's reply stream, decoded."""
+    return [q.decode_replies(fields[q.REPLIES_FIELD]) for _, fields in admin.xrange(q.reply_key(gateway_id))]
+
+
 @pytest.mark.parametrize("tokens_per_step", [1, 3])
-def test_a_step_of_a_worker_with_s_streams_sends_one_xadd_per_stream_and_nothing_more(server, monkeypatch,
-                                                                                       tokens_per_step):
+def test_a_step_of_a_worker_with_s_streams_sends_one_xadd_and_nothing_more(server, monkeypatch, tokens_per_step):
     service, engine = _worker(server.url, tokens_per_step)
     requests = _admit(server.url, S)
     admin = redis.Redis.from_url(server.url)
-    service._iteration()  # takes the S requests and makes their first step (the TTLs are set here)
+    service._iteration()  # takes the S requests and makes their first step (the TTL is set here)
     assert engine.scheduler.num_running == S and engine.num_steps == 1
     counted = _Counted(monkeypatch)
     steps = MAX_TOKENS // tokens_per_step - 2  # every request runs through all of them
     admin.config_resetstat()
     for _ in range(steps):
         service._iteration()
-    assert _commands(admin) == {"xadd": S * steps, "smembers": steps, "zrangebyscore": steps}
-    # per step: one read of the streams' names, then one write: an XADD per stream
-    assert counted.pipelines == [["SMEMBERS", "ZRANGEBYSCORE"], ["XADD"] * S] * steps
-    entry = admin.xrevrange(q.output_key("r0"), count=1)[0][1][q.CHUNK_FIELD]
-    assert len(q.decode_chunk(entry).deltas[0].token_ids) == tokens_per_step  # a step's tokens, one entry
+    assert _commands(admin) == {"multi": steps, "xadd": steps, "exec": steps, "smembers": steps,
+                                "zrangebyscore": steps}
+    # per step: one read of the streams' names, then one write: one XADD for the S streams
+    assert counted.pipelines == [["SMEMBERS", "ZRANGEBYSCORE"], ["XADD"]] * steps
+    last = _replies(admin)[-1]
+    assert [r.request_id for r in last] == [r.request_id for r in requests]  # every stream's chunk, in one entry
+    assert all(len(r.chunk.deltas[0].token_ids) == tokens_per_step for r in last)  # a step's tokens, one delta
 
-    # the last step: each request's final chunk, TTL and ack in one script
+    # the last step: every final chunk in the one XADD, then each request's ack, in one transaction
     counted.pipelines.clear()
     admin.config_resetstat()
     service._iteration()
     assert engine.num_finished == S
-    assert counted.pipelines == [["SMEMBERS", "ZRANGEBYSCORE"], ["EVALSHA"] * S]
+    assert counted.pipelines == [["SMEMBERS", "ZRANGEBYSCORE"], ["XADD"] + ["EVALSHA"] * S]
     stats = _commands(admin)
-    assert {name: stats.pop(name) for name in ("evalsha", "xadd", "expire", "xpending", "xack", "xdel")} == {
-        "evalsha": S, "xadd": S, "expire": S, "xpending": S, "xack": S, "xdel": S}
+    assert {name: stats.pop(name) for name in ("multi", "exec", "evalsha", "xadd", "xpending", "xack", "xdel")} == {
+        "multi": 1, "exec": 1, "evalsha": S, "xadd": 1, "xpending": S, "xack": S, "xdel": S}
     assert stats == {"smembers": 1, "zrangebyscore": 1}
+    assert all(r.chunk.done for r in _replies(admin)[-1])
     assert admin.xlen(q.REQUESTS) == 0  # every entry acknowledged and deleted
-    assert all(0 < admin.ttl(q.output_key(r.request_id)) <= q.OUTPUT_TTL for r in requests)
+    assert 0 < admin.ttl(q.reply_key(GATEWAY)) <= q.OUTPUT_TTL
 
     # and the gateway reads every token exactly once, in order
     assert _outputs(server.url, requests) == {
@@ -143,22 +153,50 @@ def test_a_step_of_a_worker_with_s_streams_sends_one_xadd_per_stream_and_nothing
     admin.close()
 
 
-def test_chunks_made_before_one_flush_are_one_entry(server):
+def test_a_step_writes_one_entry_per_gateway(server, monkeypatch):
+    """Requests of two gateways: one XADD into each reply stream per step, each entry holding
+    only that gateway's requests, and each gateway reads exactly its own."""
+    service, engine = _worker(server.url, 1)
+    ours = _admit(server.url, S // 2, "g1")
+    theirs = _admit(server.url, S // 2, "g2", first=S // 2)
+    admin = redis.Redis.from_url(server.url)
+    service._iteration()
+    counted = _Counted(monkeypatch)
+    service._iteration()
+    assert counted.pipelines == [["SMEMBERS", "ZRANGEBYSCORE"], ["XADD", "XADD"]]
+    assert {r.request_id for r in _replies(admin, "g1")[-1]} == {r.request_id for r in ours}
+    assert {r.request_id for r in _replies(admin, "g2")[-1]} == {r.request_id for r in theirs}
+    for _ in range(MAX_TOKENS - 2):
+        service._iteration()
+    assert engine.num_finished == S
+    for gateway, requests in (("g1", ours), ("g2", theirs)):
+        assert _outputs(server.url, requests, gateway) == {
+            r.request_id: [expected_token(r.prompt_token_ids, i) for i in range(MAX_TOKENS)] for r in requests}
+    admin.close()
+
+
+REPLY_TO = q.reply_key(GATEWAY)
+
+
+def _delta(start: int, text: str = "a", finish_reason: str | None = None) -> CompletionDelta:
+    return CompletionDelta(index=0, start=start, token_ids=[start], text=text, finish_reason=finish_reason)
+
+
+def test_chunks_made_before_one_flush_are_one_reply(server):
     service, _engine = _worker(server.url, 1)
     outbox = service.queue.outbox
     for start in range(3):
-        outbox.send("m", Chunk(attempt=1, deltas=[CompletionDelta(index=0, start=start, token_ids=[start], text="a")]))
-    outbox.send("m", Chunk(attempt=1, deltas=[CompletionDelta(index=0, start=3, token_ids=[3], text="b",
-                                                              finish_reason="length")], done=True))
+        outbox.send("m", REPLY_TO, Chunk(attempt=1, deltas=[_delta(start)]))
+    outbox.send("m", REPLY_TO, Chunk(attempt=1, deltas=[_delta(3, "b", "length")], done=True))
     outbox.flush()
-    [(_, fields)] = service.queue.redis.xrange(q.output_key("m"))
-    chunk = q.decode_chunk(fields[q.CHUNK_FIELD])
-    assert chunk.done and [d.token_ids for d in chunk.deltas] == [[0], [1], [2], [3]]
-    assert service.queue.redis.ttl(q.output_key("m")) > 0
+    [[reply]] = _replies(service.queue.redis)
+    assert reply.request_id == "m" and reply.chunk.done
+    assert [d.token_ids for d in reply.chunk.deltas] == [[0], [1], [2], [3]]
+    assert service.queue.redis.ttl(REPLY_TO) > 0
 
 
 def test_a_final_chunk_is_written_and_acked_after_redis_forgot_the_scripts(server):
-    """A Redis restart forgets the scripts: the pass loads them and writes what was refused."""
+    """A Redis restart forgets the scripts: the pass loads them and acks what was refused."""
     service, engine = _worker(server.url, 1)
     [request] = _admit(server.url, 1)
     service._iteration()  # taken, first token out
@@ -166,13 +204,13 @@ def test_a_final_chunk_is_written_and_acked_after_redis_forgot_the_scripts(serve
     for _ in range(MAX_TOKENS - 1):
         service._iteration()
     assert engine.num_finished == 1
-    assert service.queue.redis.xlen(q.REQUESTS) == 0  # acknowledged (FINISH ran after the reload)
+    assert service.queue.redis.xlen(q.REQUESTS) == 0  # acknowledged (the ack ran after the reload)
     assert _outputs(server.url, [request]) == {
         "r0": [expected_token(request.prompt_token_ids, i) for i in range(MAX_TOKENS)]}
 
 
 def test_with_an_output_interval_a_running_request_writes_its_first_and_last_chunks_only(server, monkeypatch):
-    """An interval longer than the request: the first step's chunk goes at once (the client's
+    """An interval longer than the request: the first step's chunks go at once (the client's
     first token is not held back), the steps after it write nothing, and the final chunk
     carries every token since, merged: still exactly the tokens made, in order."""
     engine = ClockEngine(max_num_seqs=S, step_ms=0.0, tokens_per_step=1)
@@ -182,15 +220,16 @@ def test_with_an_output_interval_a_running_request_writes_its_first_and_last_chu
     requests = _admit(server.url, S)
     admin = redis.Redis.from_url(server.url)
     service._iteration()
-    assert all(admin.xlen(q.output_key(r.request_id)) == 1 for r in requests)
+    assert admin.xlen(REPLY_TO) == 1 and len(_replies(admin)[0]) == S
     counted = _Counted(monkeypatch)
     admin.config_resetstat()
     for _ in range(MAX_TOKENS - 2):
         service._iteration()
     assert _commands(admin) == {"smembers": MAX_TOKENS - 2, "zrangebyscore": MAX_TOKENS - 2}  # nothing written
     service._iteration()  # the last step
-    assert counted.pipelines[-1] == ["EVALSHA"] * S and engine.num_finished == S
-    assert all(admin.xlen(q.output_key(r.request_id)) == 2 for r in requests)
+    assert counted.pipelines[-1] == ["XADD"] + ["EVALSHA"] * S and engine.num_finished == S
+    assert admin.xlen(REPLY_TO) == 2
+    assert all(len(r.chunk.deltas) == MAX_TOKENS - 1 for r in _replies(admin)[1])
     assert _outputs(server.url, requests) == {
         r.request_id: [expected_token(r.prompt_token_ids, i) for i in range(MAX_TOKENS)] for r in requests}
     admin.close()
@@ -200,41 +239,32 @@ def test_a_chunk_held_back_is_dropped_when_its_client_goes_away(server):
     service, _engine = _worker(server.url, 1)
     outbox = service.queue.outbox
     outbox.interval = 60.0
-    first = Chunk(attempt=1, deltas=[CompletionDelta(index=0, start=0, token_ids=[1], text="a")])
-    outbox.send("c", first)
+    outbox.send("c", REPLY_TO, Chunk(attempt=1, deltas=[_delta(0)]))
     outbox.flush()  # the first chunk goes at once
-    outbox.send("c", Chunk(attempt=1, deltas=[CompletionDelta(index=0, start=1, token_ids=[2], text="b")]))
+    outbox.send("c", REPLY_TO, Chunk(attempt=1, deltas=[_delta(1)]))
     outbox.flush()  # held back
-    assert service.queue.redis.xlen(q.output_key("c")) == 1
-    outbox.delete_output("c")
+    assert service.queue.redis.xlen(REPLY_TO) == 1 and len(outbox._writes) == 1
+    outbox.drop("c")
     outbox.flush()
-    assert not service.queue.redis.exists(q.output_key("c")) and outbox._writes == []
+    assert service.queue.redis.xlen(REPLY_TO) == 1 and outbox._writes == []
 
 
-def test_a_chunk_after_its_stream_was_deleted_creates_it_again_only_with_a_ttl(server, monkeypatch):
-    """The gateway deletes a request's output stream when its client leaves, and the worker
-    may write a chunk before it hears of that: the stream must not come back without a TTL
-    (it would outlive every request). A later chunk is XADD NOMKSTREAM; finding no stream,
-    it is written again as a first chunk, XADD and EXPIRE."""
+def test_a_reply_stream_gets_its_ttl_at_the_first_write_and_again_after_redis_came_back(server, monkeypatch):
+    """No EXPIRE per chunk: the TTL goes with this worker's first entry to a reply stream and
+    again only when half of it has run out, or after the connection to Redis was lost (Redis
+    may have come back empty: the stream created again by the XADD would live forever)."""
     service, _engine = _worker(server.url, 1)
     outbox, client = service.queue.outbox, service.queue.redis
-    key = q.output_key("gone")
-
-    def chunk(start: int) -> Chunk:
-        return Chunk(attempt=1, deltas=[CompletionDelta(index=0, start=start, token_ids=[start], text="a")])
-
-    outbox.send("gone", chunk(0))
-    outbox.flush()
-    assert client.xlen(key) == 1 and 0 < client.ttl(key) <= q.OUTPUT_TTL
-    outbox.send("gone", chunk(1))
-    outbox.flush()  # a later chunk, while the stream is there: one XADD, nothing more
-    assert client.xlen(key) == 2
-    client.unlink(key)  # as QueueClient.cancel does
     counted = _Counted(monkeypatch)
-    outbox.send("gone", chunk(2))
+    outbox.send("t", REPLY_TO, Chunk(attempt=1, deltas=[_delta(0)]))
     outbox.flush()
-    assert counted.pipelines == [["XADD"], ["XADD", "EXPIRE"]]
-    assert client.xlen(key) == 1 and 0 < client.ttl(key) <= q.OUTPUT_TTL
-    outbox.delete_output("gone")  # the cancellation reaches the worker
+    outbox.send("t", REPLY_TO, Chunk(attempt=1, deltas=[_delta(1)]))
     outbox.flush()
-    assert not client.exists(key)
+    assert counted.pipelines == [["XADD", "EXPIRE"], ["XADD"]]
+    assert 0 < client.ttl(REPLY_TO) <= q.OUTPUT_TTL
+    client.flushall()  # as a Redis restarted without persistence
+    service.queue.connection_lost()
+    outbox.send("t", REPLY_TO, Chunk(attempt=1, deltas=[_delta(2)]))
+    outbox.flush()
+    assert counted.pipelines[-1] == ["XADD", "EXPIRE"]
+    assert 0 < client.ttl(REPLY_TO) <= q.OUTPUT_TTL

@@ -16,13 +16,16 @@ from pagedserve.common.queue_protocol import (
     OutputLog,
     QueuedRequest,
     WorkerInfo,
-    decode_chunk,
     encode,
 )
 from pagedserve.common.redis_server import EmbeddedRedis
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.common.serve_config import ServeConfig
 from pagedserve.worker.queue_consumer import QueueConsumer
+
+from serve_helpers import chunks_of
+
+REPLY_TO = q.reply_key("g1")
 
 
 @pytest.fixture()
@@ -59,7 +62,7 @@ def test_a_final_chunk_that_does_not_fit_waits_and_its_entry_stays_unacknowledge
     set_full(True)
     final = Chunk(attempt=1, deltas=[CompletionDelta(index=0, start=0, token_ids=[5], text="a", finish_reason="stop")],
                   done=True)
-    consumer.outbox.send("r0", final)
+    consumer.outbox.send("r0", REPLY_TO, final)
     consumer.outbox.ack(taken.stream, taken.entry_id)
     with contextlib.suppress(redis.exceptions.OutOfMemoryError):  # raising is one way to say "not written"
         consumer.outbox.flush()
@@ -68,8 +71,8 @@ def test_a_final_chunk_that_does_not_fit_waits_and_its_entry_stays_unacknowledge
     set_full(False)
     consumer.outbox.flush()  # the next pass writes it, then acknowledges
     log = OutputLog(1)
-    for _, fields in client.xrange(q.output_key("r0")):
-        log.apply(decode_chunk(fields[q.CHUNK_FIELD]))
+    for chunk in chunks_of(client, REPLY_TO, "r0"):
+        log.apply(chunk)
     assert log.done and log.completions[0].token_ids == [5]
     assert client.xpending(q.REQUESTS, q.GROUP)["pending"] == 0 and client.xlen(q.REQUESTS) == 0
 

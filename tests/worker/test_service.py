@@ -15,7 +15,7 @@ from pagedserve.common.serve_config import ServeConfig
 from pagedserve.gateway.queue_client import QueueClient
 from pagedserve.worker.service import WorkerService
 
-from serve_helpers import wait_until
+from serve_helpers import chunks_of, wait_until
 
 
 def test_a_worker_drains_and_exits_when_redis_is_gone(tiny_checkpoint):
@@ -63,7 +63,7 @@ def test_a_request_that_times_out_while_draining_gets_its_error_and_its_ack(tiny
         wait_until(lambda: service.queue.redis.zscore(q.WORKERS, service.worker_id), "the worker beating")
 
         async def submit() -> None:
-            client = QueueClient(redis_server.url, config)
+            client = QueueClient(redis_server.url, config, "g-late")
             try:
                 await client.submit(request)
             finally:
@@ -75,7 +75,7 @@ def test_a_request_that_times_out_while_draining_gets_its_error_and_its_ack(tiny
         thread.join(timeout=30)
         assert not thread.is_alive(), "the drained worker did not leave once its last request timed out"
         redis = service.queue.redis
-        chunks = [q.decode_chunk(fields[q.CHUNK_FIELD]) for _id, fields in redis.xrange(q.output_key("late-1"))]
+        chunks = chunks_of(redis, q.reply_key("g-late"), "late-1")
         assert chunks[-1].error is not None and chunks[-1].error.code == "request_timeout"
         pending = sum(redis.xpending(stream, q.GROUP)["pending"]
                       for stream in redis.scan_iter(match="pagedserve:*", _type="stream")
