@@ -62,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the worker shape the budget is given for: its streams")
     parser.add_argument("--shape-steps-per-s", type=float, default=25.0, help="... and its steps per second")
     parser.add_argument("--output-poll-ms", type=float, default=None,
-                        help="the gateway's read of the output streams every this many ms (default: ServeConfig's)")
+                        help="the gateway's read of its reply stream every this many ms (default: ServeConfig's)")
     parser.add_argument("--output-interval-ms", type=float, default=None,
                         help="a worker writes a running request's tokens at most this often (default: ServeConfig's, "
                              "0: every step)")

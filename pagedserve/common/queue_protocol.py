@@ -257,7 +257,7 @@ class Fold(msgspec.Struct, kw_only=True):
 
 
 class OutputLog:
-    """The accepted content of a request's output stream.
+    """The accepted content of a request's chunks.
 
     Rules, the same for the gateway (what it sends) and a worker resuming (what it skips):
     a chunk of an attempt older than the newest seen is void; a delta is taken only if it

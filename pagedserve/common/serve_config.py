@@ -97,21 +97,23 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     # of prefill costs a busy CPU thread (lower it for GPU workers; 0: off). multi-turn on 2
     # CPU workers: 1 ms let 20 of 96 turns be stolen (hit rate 61.2%), 3 ms 3 (66.3%)
     steal_cached_token_ms: float = 3.0
-    #: seconds between the gateway's reads of the output streams it waits on: one XREAD for
-    #: all of them (gateway/output_reader.py); a token reaches its client up to this much later
+    #: seconds between the gateway's reads of its reply stream (one XREAD for every request it
+    #: waits on, gateway/output_reader.py); a token reaches its client up to this much later
     output_poll_interval: float = 0.01
     #: seconds between two writes of a running request's new tokens by its worker (merged into
-    #: one entry; the first and the last go at once): fewer Redis entries, burstier streams.
+    #: one chunk; the first and the last go at once): fewer events, burstier streams.
     #: 0: every step (docs/scaling.md#redis-budget)
     output_interval: float = 0.0
     #: entries a gateway's reply stream keeps at most (approximately, XADD MAXLEN ~): a bound on
-    #: Redis memory when a gateway stops reading; one that falls this far behind loses outputs
-    #: (its clients get request_lost). A gateway trims what it has read itself
+    #: Redis memory when a gateway stops reading. One that falls this far behind finds entries
+    #: gone: every request it waits on then ends with request_lost. A gateway trims what it
+    #: has read itself
     reply_stream_max_len: int = 50_000
     #: seconds a worker that takes over requests waits for their gateways to say what their
-    #: clients have been sent (at most half of worker_timeout: its step loop waits meanwhile);
-    #: a request whose gateway does not answer ends with request_lost
-    takeover_fold_timeout: float = 3.0
+    #: clients have been sent (at most half of worker_timeout: its step loop waits meanwhile;
+    #: a live gateway answers within its poll interval); a request whose gateway does not
+    #: answer (gone, or far behind) ends with request_lost
+    takeover_fold_timeout: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("max_queued_requests", "max_queued_tokens", "max_attempts", "max_body_bytes",

@@ -55,7 +55,7 @@ class QueueClient:
         """`gateway_id` names this gateway's reply stream: a new one by default. Two clients
         given the same id read the same stream: only one may read it at a time."""
         self.config = config
-        # Every streaming request holds one connection while it blocks on its output. A pooled
+        # The reader of the reply stream holds one connection while it waits in Redis. A pooled
         # connection that a Redis restart closed fails once and is retried on a new one
         # (admission is idempotent, so a retried XADD never queues a request twice).
         # With a Sentinel URL a retried connection asks the Sentinels for the primary again,
@@ -210,6 +210,8 @@ class QueueClient:
                     chunks = await asyncio.wait_for(subscription.chunks.get(), timeout=_WAIT_S)
                 except TimeoutError:
                     continue
+                if subscription.lost:  # its reply stream was trimmed unread: chunks may be missing
+                    raise RequestLost(request_id)
                 for chunk in chunks:
                     accepted = log.apply(chunk)
                     if log.gap:  # never hand out an answer with tokens missing in the middle

@@ -1,4 +1,4 @@
-"""`ResponseBuilder`: OpenAI response bodies and SSE chunks from the folded output streams.
+"""`ResponseBuilder`: OpenAI response bodies and SSE chunks from the requests' folded outputs.
 
 Choice k of a request with several prompts is completion `k % n` of prompt `k // n`, as in
 OpenAI's API. Usage counts each prompt once and every generated token.

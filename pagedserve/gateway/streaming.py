@@ -4,7 +4,7 @@ Each prompt of a request becomes one `QueuedRequest` (tokenized, checked against
 context length, salted with the caller's tenant), routed to a worker (`routing`) and
 admitted into that worker's stream or its tenant's under the tenant's limits by the
 queue's Lua script. The
-answer is folded from the requests' output streams, merged across prompts, and sent whole
+answer is folded from the requests' chunks (read from the gateway's reply stream), merged across prompts, and sent whole
 or as server-sent events; a client that goes away has its requests cancelled in the worker.
 """
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import logging
 import time
 
+from redis.exceptions import RedisError
+
 from pagedserve.common.errors import PagedServeError
 from pagedserve.common.queue_protocol import Fold, WireError, tenant_stream_of
 from pagedserve.common.serve_config import ServeConfig
@@ -71,9 +73,25 @@ class Intake:
     def _start_all(self, entries: list[TakenEntry]) -> None:
         """Start each entry; the ones other workers ran before resume from their gateways'
         answers to one claim each, waited for together."""
-        runs = [(entry, run) for entry in entries if (run := self._checked(entry)) is not None]
-        folds = self.queue.takeover.claim_outputs(
-            [(run.request_id, run.reply_to, run.attempt) for _, run in runs if run.attempt > 1])
+        runs: list[tuple[TakenEntry, Running]] = []
+        seen: set[str] = set()
+        for entry in entries:
+            if entry.request.request_id in seen:  # one batch, one id twice
+                logger.error("entry %s of %s repeats request %s taken with it; dropped", entry.entry_id, entry.stream,
+                             entry.request.request_id)
+                self.queue.outbox.ack(entry.stream, entry.entry_id)
+                continue
+            seen.add(entry.request.request_id)
+            if (run := self._checked(entry)) is not None:
+                runs.append((entry, run))
+        claims = [(run.request_id, run.reply_to, run.attempt) for _, run in runs if run.attempt > 1]
+        try:
+            folds = self.queue.takeover.claim_outputs(claims)
+        except RedisError as exc:
+            # Left as they are: this worker's and unrefreshed, they are taken over again after
+            # worker_timeout (XAUTOCLAIM), the delivery count one higher. The rest start now.
+            logger.warning("claiming %d request(s) taken over failed (%s); they go back to the queue", len(claims), exc)
+            runs, folds = [(e, r) for e, r in runs if r.attempt == 1], {}
         for entry, run in runs:
             resume = None
             if run.attempt > 1:
@@ -102,6 +120,11 @@ class Intake:
         if self.queue.cancellations.is_cancelled(request.request_id):
             self.queue.outbox.ack(entry.stream, entry.entry_id)  # the client left while it was queued
             self._count_unstarted("abort", request.params.n)
+            return None
+        if not request.reply_to:  # admitted by a gateway older than the reply streams: no way to answer
+            logger.error("request %s names no reply stream; acknowledged unanswered", request.request_id)
+            self.queue.outbox.ack(entry.stream, entry.entry_id)
+            self._count_unstarted("error", request.params.n)
             return None
         self.traces.start(request, entry.attempt)
         if entry.attempt > self.config.max_attempts:

@@ -5,18 +5,19 @@ they were made. The hot path is one command per gateway per step and nothing mor
   requests of one gateway is one entry, a list of `Reply`s, in order. The chunks a request
   gets before a flush are merged into one (their deltas in order), and a step's several
   tokens are one delta already. The entry's cost to Redis is shared by all its requests;
-- no EXPIRE per chunk: a reply stream's TTL is set at this worker's first write to it and
-  renewed only when half of it has run out (again after Redis came back: `connection_lost`);
+- the reply stream's TTL renewed with each entry (one EXPIRE per gateway per step, not per
+  request), so a stream whose gateway is gone expires once workers stop writing to it;
 - a request's final chunk and the ack of its entry (ACK_IF_OWNER) are in the same
-  transaction: refused whole while Redis is full (the XADD's OOM aborts it), so an entry is
-  never acknowledged before its final chunk is written;
+  transaction: refused whole while Redis is full (the XADD's OOM aborts it, when queued or
+  at EXEC), so an entry is never acknowledged before its final chunk is written;
 - the script runs by EVALSHA (no SCRIPT EXISTS round trip before it); after a Redis restart
   forgot it, it is loaded and the acks that failed are sent again.
 With an `interval` (ServeConfig.output_interval), a running request's chunks go out at most
 once per interval, merged: its first chunk and its final one go at once. That trades how
 often a client hears of new tokens for fewer bytes; the entries per step stay one per gateway.
-Everything is kept for a retry while Redis is away (connection errors raise) or full (its
-OOM error is raised). A write repeated that way is harmless: readers take a delta only where
+Everything is kept for a retry while Redis is away (connection errors raise), full (its
+OOM error or EXECABORT is raised) or refuses the transaction otherwise (READONLY during a
+failover...). A write repeated that way is harmless: readers take a delta only where
 its completion stands (`OutputLog`), and an ack goes through only for the worker that owns
 the entry (ACK_IF_OWNER).
 """
@@ -57,7 +58,6 @@ class Outbox:
         self._next_write: dict[str, float] = {}  # request id → time.monotonic() its next plain chunk may go
         self._writes: list[_Write] = []  # not yet written, in order
         self._open: dict[str, int] = {}  # request id → index in _writes of its chunk, still mergeable
-        self._ttl_due: dict[str, float] = {}  # reply stream → time.monotonic() when its TTL is renewed next
         self._next_sweep = 0.0
         with contextlib.suppress(redis.RedisError):  # else at the first NOSCRIPT (Redis away now)
             self._load_scripts()
@@ -103,13 +103,9 @@ class Outbox:
             return
         self._writes.append(_Write("", stream=stream, entry_id=entry_id))
 
-    def connection_lost(self) -> None:
-        """Redis may come back empty: every reply stream gets its TTL again at its next entry."""
-        self._ttl_due.clear()
-
     def flush(self) -> None:
-        """Write everything in one round trip. Kept for a retry: while Redis is away (connection
-        errors raise) or full (its OOM error is raised, nothing of the pass written)."""
+        """Write everything in one round trip. Kept for a retry whenever the transaction as a
+        whole did not go through (the error is raised): Redis away, full, read-only..."""
         if not self._writes:
             return
         writes, self._writes = self._due(self._writes)
@@ -118,7 +114,7 @@ class Outbox:
             return
         try:
             self._execute(writes)
-        except (redis.ConnectionError, redis.TimeoutError, redis.exceptions.OutOfMemoryError):
+        except redis.RedisError:  # nothing of the transaction was written (or it is unknown)
             self._writes = writes + self._writes
             self._reindex()
             raise
@@ -152,7 +148,6 @@ class Outbox:
         the acks. Raises what refused it whole (OOM, a lost connection)."""
         now = time.monotonic()
         if now >= self._next_sweep:  # forget what was not written for a while (due anyway)
-            self._ttl_due = {k: t for k, t in self._ttl_due.items() if t > now}
             self._next_write = {k: t for k, t in self._next_write.items() if t > now}
             self._next_sweep = now + q.OUTPUT_TTL / 2
         batches: dict[str, list[Reply]] = {}  # reply stream → its replies, in order
@@ -161,18 +156,13 @@ class Outbox:
             if w.chunk is not None:
                 batches.setdefault(w.reply_to, []).append(Reply(w.request_id, w.chunk))
         pipe = self.redis.pipeline(transaction=True)
-        renewed = []
         for key, replies in batches.items():
             pipe.xadd(key, {q.REPLIES_FIELD: q.encode_replies(replies)}, maxlen=self.max_len, approximate=True)
-            if self._ttl_due.get(key, 0.0) <= now:
-                pipe.expire(key, q.OUTPUT_TTL)
-                renewed.append(key)
+            pipe.expire(key, q.OUTPUT_TTL)
         first_ack = len(pipe.command_stack)
         for w in acks:
             self._queue_ack(pipe, w)
         results = pipe.execute(raise_on_error=False)
-        for key in renewed:
-            self._ttl_due[key] = now + q.OUTPUT_TTL / 2
         for result in results[:first_ack]:
             if isinstance(result, Exception):
                 logger.error("redis write failed: %s", result)

@@ -12,7 +12,7 @@ Its promises (the gateway relies on them):
 - an entry is acknowledged only at its final outcome, and only by the worker that owns it;
 - a heartbeat thread keeps the worker's entries fresh, so XAUTOCLAIM moves only the entries
   of a worker that stopped; before a new owner resumes a request it fences the old owner
-  off in the output stream and reads what the client has been sent;
+  off in the reply stream and asks the gateway what the client has been sent;
 - writes are batched into one round trip per pass and kept for a retry while Redis is away.
 """
 
@@ -50,9 +50,8 @@ class QueueConsumer:
         self.heartbeat = Heartbeat(self.redis, config, self.worker_id, self._stop)
 
     def connection_lost(self) -> None:
-        """Redis went away: subscribe again once it is back, and set the reply streams' TTLs again."""
+        """Redis went away: subscribe again once it is back."""
         self.cancellations.connection_lost()
-        self.outbox.connection_lost()
 
     def wait(self, seconds: float) -> bool:
         """Sleep, unless stopped; True when stopped."""

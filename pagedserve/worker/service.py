@@ -1,6 +1,6 @@
 """`WorkerService`: the worker process. Each pass of its loop takes requests from the queue
 into the engine when there is room, runs one engine step, and forwards the step's deltas
-as they are to each request's output stream:
+as they are to each request's gateway (its reply stream):
 
     apply cancellations, lost entries, deadlines → take requests → engine.step() → forward
 

@@ -4,8 +4,10 @@ every request stream), each with its delivery count. Before it resumes them, `cl
 fences the old owner off and asks each request's gateway what its client has been sent: a
 claim chunk goes into the gateway's reply stream, after everything the old owner wrote
 there, so the gateway voids what comes later from older attempts and answers with its fold
-of the rest (`Fold`, on fold_key). The gateway is the record of what a client was sent;
-one that does not answer within `takeover_fold_timeout` is gone with its clients. (The other
+of the rest (`Fold`, on fold_key). The gateway is the record of what a client was sent. One
+that does not answer within `takeover_fold_timeout` is gone with its clients, or too far
+behind: the request ends with request_lost (the step loop waits that long, for all the
+requests taken over together). A failed claim leaves the entries to be taken over again. (The other
 way round, an entry of this worker that another one took, is what the heartbeat reports:
 `Heartbeat.lost_entries`.)
 """

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
 import redis
 
 from pagedserve.common import queue_protocol as q
@@ -169,7 +170,6 @@ def test_after_redis_failed_the_reader_reads_on_from_what_the_stream_still_holds
             client = QueueClient(server.url, ServeConfig(), GATEWAY)
             try:
                 client.reader._last_id = b"9999999999999-0"  # read on a primary whose clock ran ahead
-                client.reader._resync = True  # as after a connection error
                 reading = asyncio.create_task(_read(client, "r"))
                 _write(admin, [Reply("r", _chunk(0, 4))])
                 _write(admin, [Reply("r", _chunk(1, 5, last=True))])
@@ -178,4 +178,53 @@ def test_after_redis_failed_the_reader_reads_on_from_what_the_stream_still_holds
                 await client.close()
 
         assert asyncio.run(scenario()) == [4, 5]
+        admin.close()
+
+
+def test_a_reply_stream_trimmed_past_what_was_read_ends_every_waiting_request_visibly(monkeypatch):
+    """A gateway far behind (a read returns COUNT entries) whose unread entries a worker's
+    MAXLEN trimmed cannot know whose chunks went: its requests end with request_lost
+    instead of waiting for a final chunk that is gone."""
+    from pagedserve.gateway import output_reader
+    from pagedserve.gateway.queue_client import RequestLost
+
+    monkeypatch.setattr(output_reader, "_COUNT", 2)
+    with EmbeddedRedis() as server:
+        admin = redis.Redis.from_url(server.url)
+        ids = [admin.xadd(KEY, {q.REPLIES_FIELD: encode_replies([Reply("r", _chunk(i, 10 + i))])}) for i in range(4)]
+        admin.xdel(KEY, ids[1])  # as MAXLEN ~ would: the entry after the last one read, unread
+
+        async def scenario() -> None:
+            client = QueueClient(server.url, ServeConfig(), GATEWAY)
+            try:
+                client.reader._last_id = ids[0]  # read up to here
+                await asyncio.wait_for(_read(client, "r"), 30)
+            finally:
+                await client.close()
+
+        with pytest.raises(RequestLost):
+            asyncio.run(scenario())
+        admin.close()
+
+
+def test_a_claim_is_answered_while_nobody_waits_on_anything():
+    """The reader keeps reading once started: a worker's claim for a request whose client left
+    is answered `waiting=False` even when no request waits here any more."""
+    with EmbeddedRedis() as server:
+        admin = redis.Redis.from_url(server.url)
+
+        async def scenario() -> bool:
+            client = QueueClient(server.url, ServeConfig(), GATEWAY)
+            try:
+                reading = asyncio.create_task(_read(client, "done"))
+                _write(admin, [Reply("done", _chunk(0, 1, last=True))])
+                await asyncio.wait_for(reading, 30)
+                _write(admin, [Reply("left", Chunk(attempt=2, claim=True))])
+                answer = await asyncio.to_thread(admin.blpop, [q.fold_key("left", 2)], 10)
+                assert answer is not None
+                return decode_fold(answer[1]).waiting
+            finally:
+                await client.close()
+
+        assert asyncio.run(scenario()) is False
         admin.close()

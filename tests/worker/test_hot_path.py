@@ -1,6 +1,6 @@
 """The Redis commands of a worker's step, counted exactly: a worker that runs S streams
-writes one transaction per step holding one XADD per gateway its requests came from and
-nothing else (no EXPIRE per chunk), reads the request streams' names once, and ends each
+writes one transaction per step holding one XADD and one EXPIRE per gateway its requests
+came from and nothing else (nothing per request), reads the request streams' names once, and ends each
 request with its final chunk in that XADD and one ACK_IF_OWNER script. The engine is a
 `ClockEngine` (no model), the worker the real `WorkerService`, the requests admitted by the
 gateway's `QueueClient`, and the commands counted by the redis-server itself (`INFO
@@ -118,17 +118,17 @@ def test_a_step_of_a_worker_with_s_streams_sends_one_xadd_and_nothing_more(serve
     service, engine = _worker(server.url, tokens_per_step)
     requests = _admit(server.url, S)
     admin = redis.Redis.from_url(server.url)
-    service._iteration()  # takes the S requests and makes their first step (the TTL is set here)
+    service._iteration()  # takes the S requests and makes their first step
     assert engine.scheduler.num_running == S and engine.num_steps == 1
     counted = _Counted(monkeypatch)
     steps = MAX_TOKENS // tokens_per_step - 2  # every request runs through all of them
     admin.config_resetstat()
     for _ in range(steps):
         service._iteration()
-    assert _commands(admin) == {"multi": steps, "xadd": steps, "exec": steps, "smembers": steps,
+    assert _commands(admin) == {"multi": steps, "xadd": steps, "expire": steps, "exec": steps, "smembers": steps,
                                 "zrangebyscore": steps}
-    # per step: one read of the streams' names, then one write: one XADD for the S streams
-    assert counted.pipelines == [["SMEMBERS", "ZRANGEBYSCORE"], ["XADD"]] * steps
+    # per step: one read of the streams' names, then one write: one XADD for the S streams, its TTL
+    assert counted.pipelines == [["SMEMBERS", "ZRANGEBYSCORE"], ["XADD", "EXPIRE"]] * steps
     last = _replies(admin)[-1]
     assert [r.request_id for r in last] == [r.request_id for r in requests]  # every stream's chunk, in one entry
     assert all(len(r.chunk.deltas[0].token_ids) == tokens_per_step for r in last)  # a step's tokens, one delta
@@ -138,10 +138,11 @@ def test_a_step_of_a_worker_with_s_streams_sends_one_xadd_and_nothing_more(serve
     admin.config_resetstat()
     service._iteration()
     assert engine.num_finished == S
-    assert counted.pipelines == [["SMEMBERS", "ZRANGEBYSCORE"], ["XADD"] + ["EVALSHA"] * S]
+    assert counted.pipelines == [["SMEMBERS", "ZRANGEBYSCORE"], ["XADD", "EXPIRE"] + ["EVALSHA"] * S]
     stats = _commands(admin)
-    assert {name: stats.pop(name) for name in ("multi", "exec", "evalsha", "xadd", "xpending", "xack", "xdel")} == {
-        "multi": 1, "exec": 1, "evalsha": S, "xadd": 1, "xpending": S, "xack": S, "xdel": S}
+    assert {name: stats.pop(name) for name in ("multi", "exec", "evalsha", "xadd", "expire", "xpending", "xack",
+                                               "xdel")} == {
+        "multi": 1, "exec": 1, "evalsha": S, "xadd": 1, "expire": 1, "xpending": S, "xack": S, "xdel": S}
     assert stats == {"smembers": 1, "zrangebyscore": 1}
     assert all(r.chunk.done for r in _replies(admin)[-1])
     assert admin.xlen(q.REQUESTS) == 0  # every entry acknowledged and deleted
@@ -163,7 +164,7 @@ def test_a_step_writes_one_entry_per_gateway(server, monkeypatch):
     service._iteration()
     counted = _Counted(monkeypatch)
     service._iteration()
-    assert counted.pipelines == [["SMEMBERS", "ZRANGEBYSCORE"], ["XADD", "XADD"]]
+    assert counted.pipelines == [["SMEMBERS", "ZRANGEBYSCORE"], ["XADD", "EXPIRE", "XADD", "EXPIRE"]]
     assert {r.request_id for r in _replies(admin, "g1")[-1]} == {r.request_id for r in ours}
     assert {r.request_id for r in _replies(admin, "g2")[-1]} == {r.request_id for r in theirs}
     for _ in range(MAX_TOKENS - 2):
@@ -227,7 +228,7 @@ def test_with_an_output_interval_a_running_request_writes_its_first_and_last_chu
         service._iteration()
     assert _commands(admin) == {"smembers": MAX_TOKENS - 2, "zrangebyscore": MAX_TOKENS - 2}  # nothing written
     service._iteration()  # the last step
-    assert counted.pipelines[-1] == ["XADD"] + ["EVALSHA"] * S and engine.num_finished == S
+    assert counted.pipelines[-1] == ["XADD", "EXPIRE"] + ["EVALSHA"] * S and engine.num_finished == S
     assert admin.xlen(REPLY_TO) == 2
     assert all(len(r.chunk.deltas) == MAX_TOKENS - 1 for r in _replies(admin)[1])
     assert _outputs(server.url, requests) == {
@@ -249,22 +250,46 @@ def test_a_chunk_held_back_is_dropped_when_its_client_goes_away(server):
     assert service.queue.redis.xlen(REPLY_TO) == 1 and outbox._writes == []
 
 
-def test_a_reply_stream_gets_its_ttl_at_the_first_write_and_again_after_redis_came_back(server, monkeypatch):
-    """No EXPIRE per chunk: the TTL goes with this worker's first entry to a reply stream and
-    again only when half of it has run out, or after the connection to Redis was lost (Redis
-    may have come back empty: the stream created again by the XADD would live forever)."""
+def test_every_entry_renews_its_reply_streams_ttl(server, monkeypatch):
+    """One EXPIRE per gateway and step, not per request: a reply stream lives OUTPUT_TTL past
+    the last entry written to it, also when Redis came back without it (a restart)."""
     service, _engine = _worker(server.url, 1)
     outbox, client = service.queue.outbox, service.queue.redis
     counted = _Counted(monkeypatch)
     outbox.send("t", REPLY_TO, Chunk(attempt=1, deltas=[_delta(0)]))
+    outbox.send("u", REPLY_TO, Chunk(attempt=1, deltas=[_delta(0)]))
     outbox.flush()
-    outbox.send("t", REPLY_TO, Chunk(attempt=1, deltas=[_delta(1)]))
-    outbox.flush()
-    assert counted.pipelines == [["XADD", "EXPIRE"], ["XADD"]]
+    assert counted.pipelines == [["XADD", "EXPIRE"]]
     assert 0 < client.ttl(REPLY_TO) <= q.OUTPUT_TTL
     client.flushall()  # as a Redis restarted without persistence
-    service.queue.connection_lost()
-    outbox.send("t", REPLY_TO, Chunk(attempt=1, deltas=[_delta(2)]))
+    outbox.send("t", REPLY_TO, Chunk(attempt=1, deltas=[_delta(1)]))
     outbox.flush()
-    assert counted.pipelines[-1] == ["XADD", "EXPIRE"]
     assert 0 < client.ttl(REPLY_TO) <= q.OUTPUT_TTL
+
+
+def test_a_transaction_refused_whole_is_written_again_at_the_next_flush(server, monkeypatch):
+    """Redis refused the transaction at EXEC (EXECABORT: full when it ran, or read-only during
+    a failover): nothing of it was written, so all of it waits for the next flush."""
+    service, _engine = _worker(server.url, 1)
+    [request] = _admit(server.url, 1)
+    [taken] = service.queue.reader.pull(1, None)
+    outbox = service.queue.outbox
+    outbox.finish("r0", REPLY_TO, Chunk(attempt=1, deltas=[_delta(0, "a", "length")], done=True),
+                  taken.stream, taken.entry_id)
+    execute = redis.client.Pipeline.execute
+    refused = []
+
+    def refuse_once(pipe, raise_on_error=True):
+        if not refused:
+            refused.append(True)
+            raise redis.exceptions.ExecAbortError("EXECABORT Transaction discarded because of: OOM")
+        return execute(pipe, raise_on_error)
+
+    monkeypatch.setattr(redis.client.Pipeline, "execute", refuse_once)
+    with pytest.raises(redis.exceptions.ExecAbortError):
+        outbox.flush()
+    assert service.queue.redis.xlen(q.REQUESTS) == 1 and not service.queue.redis.exists(REPLY_TO)
+    outbox.flush()
+    assert [r.chunk.done for r in _replies(service.queue.redis)[0]] == [True]
+    assert service.queue.redis.xlen(q.REQUESTS) == 0  # acknowledged with it
+    assert request.request_id == "r0"
