@@ -3,22 +3,28 @@
 Every worker writes one entry per step into this gateway's reply stream
 (queue_protocol.reply_key): the chunks of that step for this gateway's requests. One task
 reads the stream with a single XREAD every `poll_interval` (ServeConfig.output_poll_interval)
-and hands each chunk to the request it belongs to (`Subscription.chunks`), then trims what
-it read. When a read found nothing, the next one waits in Redis (BLOCK, up to 5 s) and
-returns at the first entry: an idle gateway hands over a first token at once, and a busy
-one, whose reads always find entries, reads once a tick. So a step of a worker costs Redis one entry for all
-its streams of this gateway, not one per stream, and a read is one key, not one per waiting
-request (docs/scaling.md#redis-budget).
+and hands each chunk to the request it belongs to (`Subscription.chunks`). Each tick is one
+round trip: the trim of what the last read took, the answers to claims, the admitted
+markers of the waiting requests when their check is due, then the XREAD. When a read found
+nothing, the next one waits in Redis (BLOCK, up to 2 s) and returns at the first entry: an
+idle gateway hands over a first token at once, and a busy one, whose reads always find
+entries, reads once a tick. So a step of a worker costs Redis one entry for all its streams
+of this gateway, not one per stream, and a tick one round trip, not one per waiting request
+(docs/scaling.md#redis-budget).
 
 A request is subscribed before its admission (`QueueClient.submit`), so no chunk of it can
 come before its subscription. Chunks of requests nobody waits on here (their client left)
 are dropped. The reader folds each request's chunks itself (`Subscription.log`, as the
 request's reader will): it is the record of what the client has been or will be sent, and a
 worker that takes a request over asks for it with a claim chunk, which the reader answers
-in the same round trip as its trim (`fold_key`), whether or not the client is reading
-quickly; an answer Redis refused goes again at the next read. The reader runs from the
-first subscription until `close`, so a claim of a request nobody waits on is answered too.
-A slow client's chunks wait in this process, bounded by its request's output.
+at its next tick (`fold_key`), whether or not the client is reading quickly; an answer
+Redis refused goes again at the tick after. The reader runs from the first subscription
+until `close`, so a claim of a request nobody waits on is answered too. A slow client's
+chunks wait in this process, bounded by its request's output.
+
+A request whose admitted marker two checks in a row (ServeConfig.heartbeat_interval × 2
+apart) found gone no longer exists in Redis (it restarted without it, and no worker runs
+it): `Subscription.lost`, and its reader ends it with request_lost.
 
 Entries lost: after a Redis failure, and every few seconds, the reader checks that the last
 entry it read is still there (a restart or a promoted replica may have lost it, and give
@@ -51,12 +57,15 @@ logger = logging.getLogger(__name__)
 _COUNT = 512
 #: seconds the reader waits after Redis failed, before it reads again
 _RETRY_AFTER = 0.5
-#: the longest a waiting read waits in Redis (the gateway's client has no socket timeout)
-_MAX_WAIT_MS = 5000
+#: the longest a waiting read waits in Redis: below the client's socket timeout (redis-py's
+#: default, 5 s), which would otherwise cut the connection of an idle gateway's read
+_MAX_WAIT_MS = 2000
 #: seconds between two checks that the last entry read is still in the stream
 _RESYNC_EVERY = 5.0
 #: seconds a subscription nobody opened (`open`) is kept: its admission failed half-way
 _UNOPENED_TTL = 120.0
+#: checks in a row that must miss a request's admitted marker before it counts as lost
+_LOST_AFTER_MISSES = 2
 
 
 class Subscription:
@@ -68,19 +77,24 @@ class Subscription:
         self.log = OutputLog(n)  # the reader's fold of every chunk handed over: a claim's answer
         self.opened = False  # its request's reader took it (QueueClient.outputs)
         self.created = time.monotonic()
-        self.lost = False  # entries were trimmed unread: some of its chunks may be gone
+        self.lost = False  # its chunks may be gone (trimmed unread) or nobody will write them (no marker)
+        self.misses = 0  # checks in a row that found its admitted marker gone
 
 
 class OutputReader:
-    def __init__(self, client: aioredis.Redis, key: str, poll_interval: float):
+    def __init__(self, client: aioredis.Redis, key: str, poll_interval: float, marker_check_interval: float):
         self.redis = client
         self.key = key  # this gateway's reply stream
         self.poll_interval = poll_interval
+        self.marker_check_interval = marker_check_interval  # seconds between checks of the admitted markers
         self._subscriptions: dict[str, Subscription] = {}  # by request id
         self._last_id: bytes | str = "0-0"  # the last entry read; the next read starts after it
         self._answers: list[tuple[str, bytes]] = []  # (fold key, encoded Fold) not yet written
+        self._trim_to: bytes | str | None = None  # the trim not yet made: entries below it were read
+        self._next_marker_check = time.monotonic() + marker_check_interval
         self._next_sweep = 0.0
         self._next_resync = 0.0  # time.monotonic() of the next check of the cursor (0: at the next read)
+        self._closed = False
         self._task: asyncio.Task[None] | None = None
 
     def subscribe(self, request_id: str, n: int) -> Subscription:
@@ -90,7 +104,7 @@ class OutputReader:
             return subscription
         subscription = Subscription(request_id, n)
         self._subscriptions[request_id] = subscription
-        if self._task is None or self._task.done():
+        if not self._closed and (self._task is None or self._task.done()):
             self._task = asyncio.create_task(self._run(), name="output-reader")
         return subscription
 
@@ -104,17 +118,20 @@ class OutputReader:
         self._subscriptions.pop(request_id, None)
 
     async def close(self) -> None:
+        # The flag, not only the cancellation: redis-py may turn a cancellation that meets a
+        # blocking read into a connection or timeout error, which the loop would read past.
+        self._closed = True
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+                await asyncio.wait_for(self._task, _MAX_WAIT_MS / 1000 + _RETRY_AFTER)
             self._task = None
 
     async def _run(self) -> None:
         """Read every tick (waiting in Redis while nothing comes), until `close`."""
         loop = asyncio.get_running_loop()
         wait = False  # the last read found nothing: the next one waits in Redis for an entry
-        while True:
+        while not self._closed:
             started = loop.time()
             try:
                 found, more = await self._read_once(wait)
@@ -136,22 +153,35 @@ class OutputReader:
                 await asyncio.sleep(max(0.0, started + self.poll_interval - loop.time()))
 
     async def _read_once(self, wait: bool) -> tuple[bool, bool]:
-        """One XREAD of the reply stream, waiting for an entry when `wait` (and no answer is
-        left to write); hands the chunks over, answers the claims, trims what was read.
-        Returns (whether it found entries, whether there were more than one read takes)."""
+        """One round trip: the claims' answers and the trim of what the last read took, the
+        admitted markers of the requests waited on when a check is due, then one XREAD of
+        the reply stream, waiting for an entry when `wait`. Hands the chunks over and notes
+        the answers and the trim for the next round trip (a failed one keeps them). Returns
+        (whether it found entries, whether there were more than one read takes)."""
         if time.monotonic() >= self._next_resync:
             await self._resync_cursor()
-        block = _MAX_WAIT_MS if wait and not self._answers else None
-        reply = cast(StreamRead, await self.redis.xread({self.key: self._last_id}, count=_COUNT, block=block))
-        entries = [e for _name, es in reply or [] for e in es]
+        pipe = self.redis.pipeline(transaction=False)
+        answers, trim_to = list(self._answers), self._trim_to
+        for key, data in answers:
+            pipe.rpush(key, data)
+            pipe.expire(key, q.FOLD_TTL)
+        if trim_to is not None:
+            pipe.xtrim(self.key, minid=trim_to, approximate=True)  # what was read goes (the last entry stays)
+        checked = self._due_marker_checks()
+        for s in checked:
+            pipe.exists(q.admitted_key(s.request_id))
+        pipe.xread({self.key: self._last_id}, count=_COUNT, block=_MAX_WAIT_MS if wait else None)
+        results = await pipe.execute()  # raises (Redis away, full...) with the answers and the trim kept
+        del self._answers[:len(answers)]
+        if self._trim_to == trim_to:
+            self._trim_to = None
+        self._note_markers(checked, results[len(results) - 1 - len(checked):-1])
+        entries = [e for _name, es in cast(StreamRead, results[-1]) or [] for e in es]
         if not entries:
-            if self._answers:
-                await self._write_answers(self.redis.pipeline(transaction=False))
             return False, False
         if len(entries) == _COUNT:
             await self._check_trimmed()
         batches: dict[str, list[Chunk]] = {}
-        answers = self._answers  # with any a failed write left
         for _entry_id, fields in entries:
             try:
                 replies = q.decode_replies(fields[q.REPLIES_FIELD])
@@ -165,22 +195,29 @@ class OutputReader:
                     batches.setdefault(r.request_id, []).append(r.chunk)
                 if r.chunk.claim:
                     fold = subscription.log.fold() if subscription is not None else Fold(waiting=False)
-                    answers.append((q.fold_key(r.request_id, r.chunk.attempt), q.encode(fold)))
-        self._last_id = entries[-1][0]
+                    self._answers.append((q.fold_key(r.request_id, r.chunk.attempt), q.encode(fold)))
+        self._last_id = self._trim_to = entries[-1][0]
         for request_id, chunks in batches.items():
             self._subscriptions[request_id].chunks.put_nowait(chunks)
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.xtrim(self.key, minid=self._last_id, approximate=True)  # what was read goes (the last entry stays)
-        await self._write_answers(pipe)
         return True, len(entries) == _COUNT
 
-    async def _write_answers(self, pipe) -> None:
-        """The claims' answers, with what `pipe` holds; kept for the next read if it fails."""
-        for key, data in self._answers:
-            pipe.rpush(key, data)
-            pipe.expire(key, q.FOLD_TTL)
-        await pipe.execute()  # raises with the answers kept
-        self._answers.clear()
+    def _due_marker_checks(self) -> list[Subscription]:
+        """The requests whose admitted markers this round trip checks: every one read, once
+        per `marker_check_interval`."""
+        now = time.monotonic()
+        if now < self._next_marker_check:
+            return []
+        self._next_marker_check = now + self.marker_check_interval
+        return [s for s in self._subscriptions.values() if s.opened]
+
+    def _note_markers(self, checked: list[Subscription], found: list) -> None:
+        """A request whose marker two checks in a row missed no longer exists in Redis (it
+        restarted without it, and no worker runs it): nobody will answer it."""
+        for subscription, exists in zip(checked, found, strict=True):
+            subscription.misses = 0 if exists else subscription.misses + 1
+            if subscription.misses >= _LOST_AFTER_MISSES and not subscription.lost:
+                subscription.lost = True
+                subscription.chunks.put_nowait([])  # wakes its reader
 
     async def _check_trimmed(self) -> None:
         """Far behind: did a worker's MAXLEN trim entries this reader had not read? Then the

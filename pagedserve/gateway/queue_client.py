@@ -46,10 +46,6 @@ class RequestLost(Exception):
     them): nobody will answer, or the answer would miss tokens."""
 
 
-#: how many checks in a row must miss a request's admitted marker before it counts as lost
-_LOST_AFTER_MISSES = 2
-
-
 class QueueClient:
     def __init__(self, redis_url: str, config: ServeConfig, gateway_id: str | None = None):
         """`gateway_id` names this gateway's reply stream: a new one by default. Two clients
@@ -68,7 +64,10 @@ class QueueClient:
         self._reconcile = self.redis.register_script(q.RECONCILE)
         self.gateway_id = gateway_id or uuid.uuid4().hex  # its reply stream's name
         self.reply_key = q.reply_key(self.gateway_id)
-        self.reader = OutputReader(self.redis, self.reply_key, config.output_poll_interval)  # one XREAD a tick
+        # The worker running a request renews its admitted marker every heartbeat; the reader
+        # checks them spaced so that two misses in a row cannot both fall before a renewal.
+        self.reader = OutputReader(self.redis, self.reply_key, config.output_poll_interval,
+                                   marker_check_interval=max(1.0, 2 * config.heartbeat_interval))
 
     async def close(self) -> None:
         await self.reader.close()
@@ -190,10 +189,6 @@ class QueueClient:
         it and no worker runs it: nobody will ever answer).
         """
         log = OutputLog(n)
-        # The worker running a request renews its marker every heartbeat; checks are spaced
-        # so that two misses in a row cannot both fall before a renewal.
-        check_every = max(1.0, 2 * self.config.heartbeat_interval)
-        next_check, misses = time.monotonic() + check_every, 0
         subscription = self.reader.open(request_id, n)  # subscribed at admission; Redis away: the reader waits
         try:
             while not log.done:
@@ -201,16 +196,11 @@ class QueueClient:
                     raise TimeoutError(request_id)
                 if give_up():
                     raise ShuttingDown(request_id)
-                if time.monotonic() >= next_check:
-                    next_check = time.monotonic() + check_every
-                    misses = 0 if await self._exists(request_id) else misses + 1
-                    if misses >= _LOST_AFTER_MISSES:
-                        raise RequestLost(request_id)
                 try:
                     chunks = await asyncio.wait_for(subscription.chunks.get(), timeout=_WAIT_S)
                 except TimeoutError:
-                    continue
-                if subscription.lost:  # its reply stream was trimmed unread: chunks may be missing
+                    chunks = []
+                if subscription.lost:  # no marker any more, or its chunks trimmed unread
                     raise RequestLost(request_id)
                 for chunk in chunks:
                     accepted = log.apply(chunk)
@@ -220,13 +210,6 @@ class QueueClient:
                         yield accepted, log
         finally:
             self.reader.unsubscribe(request_id)
-
-    async def _exists(self, request_id: str) -> bool:
-        """Whether the request's admitted marker is there (Redis away: assume it is)."""
-        try:
-            return bool(await self.redis.exists(q.admitted_key(request_id)))
-        except RedisError:
-            return True
 
     async def cancel(self, request_id: str) -> None:
         """Abort a request wherever it is: queued (flag) or running (pub/sub to workers)."""
