@@ -19,7 +19,8 @@ request's reader will): it is the record of what the client has been or will be 
 worker that takes a request over asks for it with a claim chunk, which the reader answers
 at its next tick (`fold_key`), whether or not the client is reading quickly; an answer
 Redis refused goes again at the tick after. The reader runs from the first subscription
-until `close`, so a claim of a request nobody waits on is answered too. A slow client's
+until `close` (a later subscription starts it again), so a claim of a request nobody waits
+on is answered too. A slow client's
 chunks wait in this process, bounded by its request's output.
 
 A request whose admitted marker two checks in a row (ServeConfig.heartbeat_interval × 2
@@ -94,7 +95,7 @@ class OutputReader:
         self._next_marker_check = time.monotonic() + marker_check_interval
         self._next_sweep = 0.0
         self._next_resync = 0.0  # time.monotonic() of the next check of the cursor (0: at the next read)
-        self._closed = False
+        self._generation = 0  # the running loop's; `close` moves it on, which ends that loop
         self._task: asyncio.Task[None] | None = None
 
     def subscribe(self, request_id: str, n: int) -> Subscription:
@@ -104,8 +105,8 @@ class OutputReader:
             return subscription
         subscription = Subscription(request_id, n)
         self._subscriptions[request_id] = subscription
-        if not self._closed and (self._task is None or self._task.done()):
-            self._task = asyncio.create_task(self._run(), name="output-reader")
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run(self._generation), name="output-reader")
         return subscription
 
     def open(self, request_id: str, n: int) -> Subscription:
@@ -118,20 +119,21 @@ class OutputReader:
         self._subscriptions.pop(request_id, None)
 
     async def close(self) -> None:
-        # The flag, not only the cancellation: redis-py may turn a cancellation that meets a
-        # blocking read into a connection or timeout error, which the loop would read past.
-        self._closed = True
+        # The generation, not only the cancellation: redis-py may turn a cancellation that
+        # meets a blocking read into a connection or timeout error, which the loop would read
+        # past. A later subscription starts a new loop (an app's lifespan may start again).
+        self._generation += 1
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, TimeoutError):
                 await asyncio.wait_for(self._task, _MAX_WAIT_MS / 1000 + _RETRY_AFTER)
             self._task = None
 
-    async def _run(self) -> None:
+    async def _run(self, generation: int) -> None:
         """Read every tick (waiting in Redis while nothing comes), until `close`."""
         loop = asyncio.get_running_loop()
         wait = False  # the last read found nothing: the next one waits in Redis for an entry
-        while not self._closed:
+        while generation == self._generation:
             started = loop.time()
             try:
                 found, more = await self._read_once(wait)

@@ -255,3 +255,26 @@ def test_what_the_reader_read_is_trimmed_at_its_next_tick():
         assert 0 < asyncio.run(scenario()) < 250
         assert admin.xrange(KEY, last, last)  # never past what was read
         admin.close()
+
+
+def test_a_reader_closed_reads_again_for_a_later_request():
+    """An app's lifespan can end and start again around the same QueueClient (close, then new
+    requests): the next subscription starts the reader again."""
+    with EmbeddedRedis() as server:
+        admin = redis.Redis.from_url(server.url)
+
+        async def scenario() -> list[int]:
+            client = QueueClient(server.url, ServeConfig(), GATEWAY)
+            try:
+                first = asyncio.create_task(_read(client, "a"))
+                _write(admin, [Reply("a", _chunk(0, 1, last=True))])
+                assert await asyncio.wait_for(first, 30) == [1]
+                await client.close()
+                second = asyncio.create_task(_read(client, "b"))
+                _write(admin, [Reply("b", _chunk(0, 2, last=True))])
+                return await asyncio.wait_for(second, 30)
+            finally:
+                await client.close()
+
+        assert asyncio.run(scenario()) == [2]
+        admin.close()
