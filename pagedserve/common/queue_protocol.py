@@ -42,7 +42,7 @@ Keys:
                                    renewed by the heartbeat of the worker running it, so
                                    the gateway can tell a request that no longer exists
 
-Both sides fold a request's chunks with the same `OutputLog`. The gateway's fold is the
+Both sides fold a request's chunks with the same `OutputLog` (common/output_log.py). The gateway's fold is the
 record of what a client has been sent: a worker that takes over a request from a dead one
 writes a claim chunk into the request's reply stream, and the gateway answers it with its
 fold (`Fold`), from which the worker resumes. There is no per-request output stream: a
@@ -254,55 +254,6 @@ class Fold(msgspec.Struct, kw_only=True):
     waiting: bool  # False: no client waits on the request at this gateway any more (nothing to resume)
     completions: list[CompletionLog] = []  # per completion, as `OutputLog` holds them
     done: bool = False  # the request had its final chunk already
-
-
-class OutputLog:
-    """The accepted content of a request's chunks.
-
-    Rules, the same for the gateway (what it sends) and a worker resuming (what it skips):
-    a chunk of an attempt older than the newest seen is void; a delta is taken only if it
-    starts exactly where its completion stands and that completion has not ended. A delta
-    that starts beyond it means chunks were lost (Redis restarted without them): `gap`.
-    """
-
-    def __init__(self, n: int):
-        self.attempt = 0
-        self.completions = [CompletionLog() for _ in range(n)]
-        self.done = False
-        self.error: WireError | None = None
-        self.num_cached_tokens = 0
-        self.gap = False  # a delta skipped tokens the stream never held: the output is incomplete
-
-    def apply(self, chunk: Chunk) -> list[CompletionDelta]:
-        """Fold one chunk in; returns the deltas that are new to the client."""
-        if self.done or chunk.attempt < self.attempt:
-            return []
-        self.attempt = chunk.attempt
-        accepted = []
-        for delta in chunk.deltas:
-            if not 0 <= delta.index < len(self.completions):
-                continue
-            log = self.completions[delta.index]
-            if log.finish_reason is None and delta.start > len(log.token_ids):
-                self.gap = True
-            if log.finish_reason is not None or delta.start != len(log.token_ids):
-                continue
-            log.token_ids.extend(delta.token_ids)
-            log.num_chars += len(delta.text)
-            log.finish_reason = delta.finish_reason
-            accepted.append(delta)
-        if chunk.done:
-            self.done = True
-            self.error = chunk.error
-            self.num_cached_tokens = chunk.num_cached_tokens
-        return accepted
-
-    @property
-    def num_generated_tokens(self) -> int:
-        return sum(len(c.token_ids) for c in self.completions)
-
-    def fold(self) -> Fold:
-        return Fold(waiting=True, completions=self.completions, done=self.done)
 
 
 # -- encoding -----------------------------------------------------------------------------

@@ -50,7 +50,8 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from pagedserve.common import queue_protocol as q
-from pagedserve.common.queue_protocol import Chunk, Fold, OutputLog, StreamRead
+from pagedserve.common.output_log import OutputLog
+from pagedserve.common.queue_protocol import Chunk, Fold, StreamRead
 
 logger = logging.getLogger(__name__)
 

@@ -20,9 +20,9 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from pagedserve.common import queue_protocol as q
 from pagedserve.common import redis_clients
 from pagedserve.common.errors import QueueFullError, ServiceUnavailableError, TenantLimitError
+from pagedserve.common.output_log import OutputLog
 from pagedserve.common.queue_protocol import (
     CompletionDelta,
-    OutputLog,
     QueuedRequest,
     WorkerInfo,
     decode_worker_info,

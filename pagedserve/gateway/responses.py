@@ -13,8 +13,9 @@ from typing import Any
 
 import msgspec
 
+from pagedserve.common.output_log import OutputLog
 from pagedserve.common.outputs import Logprobs
-from pagedserve.common.queue_protocol import CompletionDelta, OutputLog, WireError
+from pagedserve.common.queue_protocol import CompletionDelta, WireError
 from pagedserve.gateway.tool_output import ToolOutput
 
 _json = msgspec.json.Encoder()

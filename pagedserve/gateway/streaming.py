@@ -21,7 +21,8 @@ from litestar import Request, Response
 from litestar.response import Stream
 
 from pagedserve.common.errors import PagedServeError
-from pagedserve.common.queue_protocol import CompletionDelta, OutputLog, QueuedRequest, WireError
+from pagedserve.common.output_log import OutputLog
+from pagedserve.common.queue_protocol import CompletionDelta, QueuedRequest, WireError
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.common.serve_config import ServeConfig
 from pagedserve.gateway.auth import TenantLimits

@@ -7,11 +7,11 @@ import msgspec
 import pytest
 
 from pagedserve.common import queue_protocol as q
+from pagedserve.common.output_log import OutputLog
 from pagedserve.common.outputs import Logprobs, TokenLogprob
 from pagedserve.common.queue_protocol import (
     Chunk,
     CompletionDelta,
-    OutputLog,
     QueuedRequest,
     WireError,
     decode_chunk,

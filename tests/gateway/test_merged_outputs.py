@@ -10,8 +10,9 @@ import asyncio
 import time
 from types import SimpleNamespace
 
+from pagedserve.common.output_log import OutputLog
 from pagedserve.common.outputs import CompletionDelta
-from pagedserve.common.queue_protocol import Chunk, OutputLog, QueuedRequest
+from pagedserve.common.queue_protocol import Chunk, QueuedRequest
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.gateway.responses import ResponseBuilder
 from pagedserve.gateway.streaming import _merged_outputs

@@ -10,10 +10,10 @@ import pytest
 import redis
 
 from pagedserve.common import queue_protocol as q
+from pagedserve.common.output_log import OutputLog
 from pagedserve.common.queue_protocol import (
     Chunk,
     CompletionDelta,
-    OutputLog,
     QueuedRequest,
     WorkerInfo,
     encode,

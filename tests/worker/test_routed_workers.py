@@ -15,7 +15,8 @@ from prometheus_client import CollectorRegistry
 from pagedserve import LLM, SamplingParams
 from pagedserve.common import queue_protocol as q
 from pagedserve.common.contracts import RouteDecision, RouterPlugin, RoutingInput, WorkerCandidate
-from pagedserve.common.queue_protocol import OutputLog, QueuedRequest
+from pagedserve.common.output_log import OutputLog
+from pagedserve.common.queue_protocol import QueuedRequest
 from pagedserve.common.redis_server import EmbeddedRedis
 from pagedserve.common.serve_config import ServeConfig
 from pagedserve.gateway.queue_client import QueueClient
