@@ -99,9 +99,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     #: batch): on an AMD EPYC with AVX2 (Zen 3), 2 threads, quiet, the fused step took 226 ms at
     #: batch 32 and 413 at 64 against the eager forward's 371 and 464 (benchmarks/fused_blas.py,
     #: 3 rounds alternated, 2026-11-26). On an AVX-512 EPYC an earlier run (1 thread, loaded) had
-    #: it at 496 against 451 ms at batch 64. With int8 weights the fused step stops at 16 rows
-    #: (FUSED_INT8_MAX_BATCH: not measured above that), with int4 weights at the int4 kernel's
-    #: own limit (int4_kernel_max_rows)
+    #: it at 496 against 451 ms at batch 64. Packed int8 weights (the CPU default with
+    #: --quantization int8) run at every batch as float32 does; unpacked int8 weights stop the
+    #: fused step at 16 rows (FUSED_INT8_MAX_BATCH: not measured above that), int4 weights at
+    #: the int4 kernel's own limit (int4_kernel_max_rows)
     fused_decode_max_batch: int = 256
     #: in the fused CPU step, float32 products (and the LM head) of this many rows and more call
     #: torch's BLAS instead of our batch-invariant kernels; 0: never. BLAS is faster there but
@@ -114,7 +115,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     #: 1.2-2.0x the fused step's earlier kernels and 1.8-4.4x torch's F.linear from 1 to 64 rows
     #: (docs/performance.md). No extra memory, except a tied LM head: the fused step packs its
     #: own copy of it (vocab x hidden floats) while the embedding lookup keeps the original;
-    #: outside the fused step a tied head's logits still come from torch's F.linear
+    #: outside the fused step a tied head's logits still come from torch's F.linear.
+    #: int8 linears (--quantization int8) are packed too (PackedInt8Linear: int8 x int8 products,
+    #: csrc/cpu_packed_int8.cpp) at every row count, prefill included.
     #: False: torch's BLAS in the eager forward, the earlier kernels in the fused step
     pack_cpu_weights: bool = True
     #: weight quantization at load time: an entry point in pagedserve.quantization (int8:

@@ -132,9 +132,12 @@ def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.dev
                     report.model_bytes / 1e6, report.calibration if offered is None else
                     f"{report.calibration} on {offered.source} ({offered.passes} passes)",
                     time.perf_counter() - started)
-        if device.type == "cpu":
-            _choose_int8_kernel(model, int8_kernel)
-    if pack_cpu_weights and device.type == "cpu" and dtype == torch.float32:
+    pack = pack_cpu_weights and device.type == "cpu" and dtype == torch.float32
+    if quantization is not None and device.type == "cpu" and (not pack or int8_kernel != "auto"):
+        # the few-row kernels of unpacked int8 linears; packed ones run their own product, so
+        # there is nothing to time (a named kernel is still checked against the CPU)
+        _choose_int8_kernel(model, int8_kernel)
+    if pack:
         _pack_linears(model)
     if (quantization is not None or prequantized is not None) and device.type == "cuda":
         # the float weights the quantized modules replaced go back to the device, so that the KV
@@ -163,16 +166,18 @@ def checkpoint_format(hf_config, quantization: str | None = None) -> CheckpointF
 
 
 def _pack_linears(model: torch.nn.Module) -> None:
-    """The float32 linears in the packed layout of the CPU extension's product, if it builds."""
+    """The float32 and int8 linears in the packed layouts of the CPU extension's products, if it builds."""
     from pagedserve.kernels.cpu_attention import cpu_kernels
     from pagedserve.kernels.cpu_packed import pack_linears
 
-    if cpu_kernels() is None:
-        logger.info("float32 linears stay unpacked: the CPU kernels could not be built")
+    extension = cpu_kernels()
+    if extension is None:
+        logger.info("float32 and int8 linears stay unpacked: the CPU kernels could not be built")
         return
     started = time.perf_counter()
     count = pack_linears(model)
-    logger.info("%d float32 linear layers packed for the CPU product in %.1f s", count, time.perf_counter() - started)
+    logger.info("%d linear layers packed for the CPU products (float32; int8 on the %s kernel) in %.1f s", count,
+                extension.packed_int8_isa(), time.perf_counter() - started)
 
 
 def _register_quantized_kernels(device: torch.device, kernels: Kernels) -> None:

@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "cpu_module.cpp", _CSRC / "cpu_paged_attention.cpp", _CSRC / "cpu_decode.cpp",
             _CSRC / "cpu_int8_gemv.cpp", _CSRC / "cpu_int4_gemv.cpp", _CSRC / "cpu_shm_sync.cpp",
-            _CSRC / "cpu_packed_gemm.cpp"]
+            _CSRC / "cpu_packed_gemm.cpp", _CSRC / "cpu_packed_int8.cpp"]
 
 
 #: -ffast-math, but no approximate reciprocals (-mno-recip): under -ffast-math GCC divides

@@ -9,12 +9,13 @@ register tiles; batch-invariant either way), and the element-wise work in the sa
 threads by rows in large steps, with no Python or aten calls per layer. The runner uses it
 for decode-only steps of up to `fused_decode_max_batch` rows (and, with speculative decoding,
 for steps that verify drafts: each draft a row, see `FusedDecoder.forward`): 256 by default,
-16 with int8 weights, and with int4 weights as many as the int4 kernel beats dequantizing
+packed int8 weights included, 16 with unpacked int8 weights, and with int4 weights as many as the int4 kernel beats dequantizing
 (`int4_kernel_max_rows`: 256 with AVX-512 VNNI, 32 with AVX2); every other step (prefill
 chunks, mixed batches) runs the model's own `forward`.
 
 With quantized weights (`EngineConfig.quantization`, or a GPTQ/AWQ checkpoint), the
-projections whose `DecoderLayerWeights` carry a scale run the int8 GEMV of the same file, or
+projections whose `DecoderLayerWeights` carry a scale run the packed int8 product
+(csrc/cpu_packed_int8.cpp, when the loader packed them), the int8 GEMV of the same file, or
 the int4 kernel of csrc/cpu_int4_gemv.cpp (the LM head too when it is quantized): the same
 kernels that the eager `Int8Linear` / `Int4Linear` call for a few rows.
 With an int8 KV cache (`EngineConfig.kv_cache_dtype`), the step quantizes each new K/V row
@@ -65,8 +66,9 @@ def _zeros(w: DecoderLayerWeights) -> list[torch.Tensor | None]:
     return [w.qkv_zeros, w.o_proj_zeros, w.gate_up_zeros, w.down_zeros]
 
 
-def _int4(t: torch.Tensor) -> bool:
-    return t.dtype == torch.uint8  # int4: two codes a byte
+def _int4(scale: torch.Tensor | None) -> bool:
+    """int4 weights have scales per group: [out, groups], or packed [panels, groups, 16]."""
+    return scale is not None and scale.dim() >= 2
 
 
 class FusedDecoder:
@@ -79,12 +81,13 @@ class FusedDecoder:
         self._kernels = kernels
         self.kv_caches = kv_caches
         quantized = any(_scales(w) != [None] * 4 for w in weights.layers)
-        int4 = any(_int4(t) for w in weights.layers for t in (w.qkv, w.o_proj, w.gate_up, w.down))
+        int4 = any(_int4(s) for w in weights.layers for s in _scales(w))
         #: the most rows (tokens) of a step run here
         self.max_batch = max_batch
-        if int4:
+        packed_quantized = weights.layers[0].qkv.dim() == 4  # the packed int8/int4 products: every row count
+        if int4 and not packed_quantized:
             self.max_batch = min(max_batch, int(torch.ops.pagedserve.int4_kernel_max_rows()))
-        elif quantized:
+        elif quantized and not packed_quantized:
             self.max_batch = min(max_batch, FUSED_INT8_MAX_BATCH)
         #: the most tokens of one sequence in a step run here: 1 (decodes), or 1 + the drafts a
         #: speculative step verifies, each draft a row of its own (see `takes`)
@@ -92,7 +95,7 @@ class FusedDecoder:
         self.num_steps = 0  # decode steps run here (the rest ran the model's forward)
         self.lm_head = weights.lm_head
         #: the LM head's output rows (the vocabulary); a packed head has them padded to 16
-        self.vocab_size = int(weights.embed.shape[0]) if weights.lm_head.dim() == 3 else int(weights.lm_head.shape[0])
+        self.vocab_size = int(weights.embed.shape[0]) if weights.lm_head.dim() >= 3 else int(weights.lm_head.shape[0])
         #: the loader packed the float32 linears (kernels/cpu_packed.py): the products run packed
         self.packed = weights.layers[0].qkv.dim() == 3
         if self.packed and weights.lm_head.dim() == 2 and weights.lm_head.dtype == torch.float32:
@@ -106,7 +109,7 @@ class FusedDecoder:
             layers = [slots + _scales(w) + (_zeros(w) if int4 else []) for slots, w in zip(layers, weights.layers)]
         self._impl = kernels.FusedDecoder(weights.embed, layers, weights.final_norm, weights.cos.float(),
                                           weights.sin.float(), weights.num_heads, weights.num_kv_heads,
-                                          weights.head_dim, weights.rms_norm_eps)
+                                          weights.head_dim, weights.rms_norm_eps, weights.intermediate_size or 0)
         #: from this many rows the unpacked float32 products (the LM head's too) run torch's BLAS
         #: (0: never); packed weights always run the packed product
         self.blas_rows = blas_rows
@@ -143,10 +146,16 @@ class FusedDecoder:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [n, vocab] of a few rows of final hidden states."""
-        if self.lm_head_scale is not None and _int4(self.lm_head):
+        if self.lm_head_scale is not None and self.lm_head_scale.dim() == 3:  # packed int4
+            return self._kernels.packed_int4_linear(hidden.contiguous(), self.lm_head, self.lm_head_scale,
+                                                    self.lm_head_zeros, self.vocab_size)
+        if self.lm_head_scale is not None and _int4(self.lm_head_scale):
             group = self.lm_head.shape[1] * 2 // self.lm_head_scale.shape[1]
             return self._kernels.int4_linear(hidden.contiguous(), self.lm_head, self.lm_head_scale, self.lm_head_zeros,
                                              None, group)
+        if self.lm_head_scale is not None and self.lm_head.dim() == 4:  # packed int8
+            return self._kernels.packed_int8_linear(hidden.contiguous(), self.lm_head, self.lm_head_scale,
+                                                    self.vocab_size)
         if self.lm_head_scale is not None:
             return self._kernels.small_linear_int8(hidden.contiguous(), self.lm_head, self.lm_head_scale)
         if self.lm_head.dim() == 3:  # packed: the same bits at every row count

@@ -12,6 +12,10 @@ these tensors directly (kernels/csrc/cpu_decode.cpp); every other step runs
 the worker has loaded it, on CUDA the Triton w8a16 GEMM (kernels/triton_int8.py) through the
 same registry when the worker has registered it, and plain torch (dequantize, then
 `F.linear`) elsewhere.
+
+On a CPU float32 worker the loader then packs each `Int8Linear` (it follows the quantization
+contract's layout) into a `PackedInt8Linear` (kernels/cpu_packed.py) unless
+`pack_cpu_weights` is off: the same numbers per block of 32, at every row count.
 """
 
 from __future__ import annotations

@@ -143,11 +143,14 @@ def test_blas_rows_must_not_be_negative():
     assert EngineConfig().fused_decode_blas_rows == 0
 
 
-def test_the_fused_step_takes_every_default_batch_in_float32_and_16_rows_with_int8_weights(tiny_checkpoint):
+def test_the_fused_step_takes_every_default_batch_in_float32_and_packed_int8_and_16_rows_of_unpacked_int8(
+        tiny_checkpoint):
     model_dir = str(tiny_checkpoint("llama-gqa"))
     assert LLM(model_dir, kv_cache_memory=1 << 22).engine.runner.fused_decoder.max_batch == 256
     assert LLM(model_dir, kv_cache_memory=1 << 22, max_num_seqs=40).engine.runner.fused_decoder.max_batch == 40
     int8 = LLM(model_dir, kv_cache_memory=1 << 22, quantization="int8").engine.runner.fused_decoder
-    assert int8.max_batch == 16 and int8.max_query_len == 1
+    assert int8.max_batch == 256 and int8.max_query_len == 1  # packed int8: the product of every row count
+    int8 = LLM(model_dir, kv_cache_memory=1 << 22, quantization="int8", pack_cpu_weights=False).engine.runner
+    assert int8.fused_decoder.max_batch == 16 and int8.fused_decoder.max_query_len == 1
     spec = LLM(model_dir, kv_cache_memory=1 << 22, max_num_seqs=2, speculative={"method": "ngram"})
     assert (spec.engine.runner.fused_decoder.max_batch, spec.engine.runner.fused_decoder.max_query_len) == (10, 5)

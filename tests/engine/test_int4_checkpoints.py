@@ -184,11 +184,13 @@ def test_a_checkpoint_registers_the_kernels_its_int4_layers_call(tmp_path, monke
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_checkpoint_loads_as_int4_and_agrees_with_its_weights_dequantized(float_source, tmp_path, method):
     """Greedy ids of the float checkpoint (the same weights dequantized), teacher-forced on the
-    int4 one, two ways, each >= 99%:
+    int4 one, three ways, each >= 99%:
     - one prefill of each whole sequence (more rows than `int4_kernel_max_rows`: each layer
       dequantizes its int4 weight for F.linear): the loader's repacking;
     - prefill chunks of 4 rows: the C++ int4 × int8 kernel, activations quantized to int8 per
-      32 values as Q4_0 × Q8_0.
+      32 values as Q4_0 × Q8_0;
+    - packed at load (the CPU default; the two above run with `pack_cpu_weights` off), one
+      prefill of each whole sequence: the packed int4 × int8 product.
     The model is trained (`trained_checkpoint`): on the random one the int8 activations alone
     flipped 7% of the greedy ids (the kernel 92.5%, the same int8 activations emulated in torch
     with the dequantized weights 92.9%: not the kernel, nor the repacking)."""
@@ -214,7 +216,7 @@ def _checkpoint_agrees(float_source, tmp_path, method, int4_kernel_max_rows):
     greedy = [list(o.outputs[0].token_ids) for o in reference.generate(prompts, params)]
     tok = reference.get_tokenizer()
     del reference
-    llm = LLM(str(quantized_dir), kv_cache_memory=1 << 22)
+    llm = LLM(str(quantized_dir), kv_cache_memory=1 << 22, pack_cpu_weights=False)
     model = llm.engine.runner.model
     layer = model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj, Int4Linear) and isinstance(layer.mlp.down_proj, Int4Linear)
@@ -232,10 +234,20 @@ def _checkpoint_agrees(float_source, tmp_path, method, int4_kernel_max_rows):
                 predicted += logits.argmax(-1).tolist()
         assert len(predicted) == len(expected)
         agreement[path] = sum(a == b for a, b in zip(predicted, expected)) / len(expected)
+    del llm
+    packed = LLM(str(quantized_dir), kv_cache_memory=1 << 22)
+    assert type(packed.engine.runner.model.layers[0].mlp.down_proj).__name__ == "PackedInt4Linear"
+    predicted = []
+    for p, ref in zip(prompts, greedy):
+        prompt = tok.encode(p)
+        for logits, _ in window_logits(packed.engine, prompt + ref, len(prompt), chunk=1000):
+            predicted += logits.argmax(-1).tolist()
+    agreement["packed"] = sum(a == b for a, b in zip(predicted, expected)) / len(expected)
     print(f"{method}: teacher-forced greedy agreement with the float weights: "
           + ", ".join(f"{k} {v:.1%}" for k, v in agreement.items()))
     assert agreement["dequantized"] >= 0.99
     assert agreement["kernel"] >= 0.99
+    assert agreement["packed"] >= 0.99
 
 
 class _Config:

@@ -74,8 +74,9 @@ def test_gptq_fits_every_layer_to_its_inputs(tiny, caplog):
     qkv_weight = float_model.layers[0].self_attn.qkv_proj.weight.detach().clone()
     tokens, _ = calibration_tokens(tiny, CalibrationRequest("gptq", TOKENS, None))
     with caplog.at_level("INFO", logger="pagedserve.engine.model_loader"):
+        # unpacked (pack_cpu_weights off): the quantizer's own Int4Linear modules
         model = _engine(tiny, quantization="int4", quantization_calibration="gptq",
-                        quantization_calibration_tokens=TOKENS).runner.model
+                        quantization_calibration_tokens=TOKENS, pack_cpu_weights=False).runner.model
     assert "calibration gptq on calibration.txt, its first 700 tokens (1 passes)" in caplog.text
     linears = [m for name, m in model.named_modules() if name.endswith("_proj")]
     assert len(linears) == 8 and all(isinstance(m, Int4Linear) for m in linears)
@@ -98,7 +99,7 @@ def test_imatrix_weighs_the_scale_search_by_each_inputs_squares(tiny):
     inputs = TokenCalibration("imatrix", float_model, tokens, source, engine.hf_config, runner.kernels,
                               runner.device, runner.dtype).layer_inputs(names, full=False)
     model = _engine(tiny, quantization="int4_g128_asym", quantization_calibration="imatrix",
-                    quantization_calibration_tokens=TOKENS).runner.model
+                    quantization_calibration_tokens=TOKENS, pack_cpu_weights=False).runner.model
     for name, weight in weights.items():
         i, kind = name.split(".")
         got = model.layers[int(i)].self_attn.qkv_proj if kind == "qkv" else model.layers[int(i)].mlp.down_proj

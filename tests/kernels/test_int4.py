@@ -133,25 +133,37 @@ def test_bad_shapes_are_refused(kernels):
 @pytest.mark.parametrize(("model_name", "method", "lm_head"), [
     ("llama-gqa", "int4", False), ("qwen2", "int4_asym", False), ("qwen3", "int4_g128", False),
     ("llama-mha-odd", "int4_g128_asym", True)])
-def test_fused_step_with_int4_weights_equals_the_eager_int4_forward(tiny_checkpoint, model_name, method, lm_head):
-    """The fused CPU step reads the int4 layers' packed codes, scales and zero points itself
-    (no dequantized copy) and runs the kernel that `Int4Linear` runs for a few rows: one decode
-    step of 3 sequences gives the eager forward's hidden states, KV and logits, and its greedy
-    tokens."""
+@pytest.mark.parametrize("pack", [False, True])
+def test_fused_step_with_int4_weights_equals_the_eager_int4_forward(tiny_checkpoint, model_name, method, lm_head,
+                                                                    pack):
+    """The fused CPU step reads the int4 layers' codes, scales and zero points itself (no
+    dequantized copy) and runs the kernel that the eager forward runs: unpacked, the one
+    `Int4Linear` runs for a few rows; packed at load (the CPU default), the packed int4 product
+    of every row count. One decode step of 3 sequences gives the eager forward's hidden
+    states, KV and logits, and its greedy tokens; packed, with the C++ element-wise ops, the
+    same bits."""
     from pagedserve import LLM
 
+    from engine_helpers import eager_then_fused
+
     engine = LLM(str(tiny_checkpoint(model_name)), kv_cache_memory=1 << 22, quantization=method,
-                 quantize_lm_head=lm_head).engine
+                 quantize_lm_head=lm_head, pack_cpu_weights=pack).engine
     weights = engine.runner.model.decoder_weights()
     assert weights is not None and weights.layers[0].qkv.dtype == torch.uint8
-    assert weights.layers[0].down_scale is not None and weights.layers[0].down_scale.dim() == 2
+    assert weights.layers[0].qkv.dim() == (4 if pack else 2)
+    assert weights.layers[0].down_scale is not None and weights.layers[0].down_scale.dim() == (3 if pack else 2)
     assert (weights.layers[0].qkv_zeros is not None) == method.endswith("_asym")
     assert (weights.lm_head.dtype == torch.uint8) == lm_head
     config, fused = engine.config, engine.runner.fused_decoder
     assert fused is not None
-    assert fused.max_batch == min(config.fused_decode_max_batch, config.max_num_seqs,
-                                  torch.ops.pagedserve.int4_kernel_max_rows())
+    limit = 1 << 30 if pack else int(torch.ops.pagedserve.int4_kernel_max_rows())
+    assert fused.max_batch == min(config.fused_decode_max_batch, config.max_num_seqs, limit)
     assert_fused_step_equals_eager(engine)
+    if pack:
+        with torch.inference_mode():
+            eager, eager_kv, _, hidden = eager_then_fused(engine)
+            assert torch.equal(hidden, eager)
+            assert torch.equal(fused.logits(hidden), engine.runner.model.compute_logits(eager))
 
 
 @pytest.mark.parametrize(("group", "symmetric"), [(32, False), (128, True)])
@@ -188,3 +200,47 @@ def test_the_row_limit_can_be_set_and_given_back(kernels):
     assert int(torch.ops.pagedserve.int4_kernel_max_rows()) == own
     with pytest.raises(RuntimeError, match="a row count"):
         kernels.set_int4_kernel_max_rows(-1)
+
+
+@pytest.mark.parametrize(("k", "n", "group"), SHAPES)
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_the_packed_product_matches_the_reference_with_the_same_bits_everywhere(kernels, k, n, group, symmetric):
+    """The packed int4 product (kernels/cpu_packed.py's PackedInt4Linear, csrc/cpu_packed_int8.cpp):
+    every kernel gives the same bits, each row's bits do not depend on its batch, and the
+    numbers are the reference's (the same int8 activations and exact block sums)."""
+    from pagedserve.kernels.cpu_packed import pack_int4_weight
+
+    w, x, bias = _case(k, n, group, symmetric, seed=k * 7 + n + group + symmetric)
+    codes, scales, zeros = pack_int4_weight(w.qweight, w.scales, w.zeros)
+    assert codes.shape == (-(-n // 16), w.qweight.shape[1] // 4, 16, 4) and scales.shape == (-(-n // 16),
+                                                                                            w.scales.shape[1], 16)
+    results = {}
+    try:
+        for isa in ("avx512vnni", "avx2", "scalar"):
+            kernels.set_packed_int8_isa(isa)
+            results[isa] = kernels.packed_int4_linear(x, codes, scales, zeros, n, bias)
+            for m in (1, 2, 3, 5, 8):
+                for start in range(0, x.shape[0], m):
+                    part = kernels.packed_int4_linear(x[start:start + m], codes, scales, zeros, n, bias)
+                    assert torch.equal(part, results[isa][start:start + m]), (isa, m, start)
+    finally:
+        kernels.set_packed_int8_isa("avx512vnni")
+    for isa, y in results.items():
+        assert torch.equal(y, results["scalar"]), isa
+    size = (x.abs().double() @ dequantize(w).abs().double().T) + bias.abs().double()
+    assert bool(((results["scalar"].double() - reference(x, w, bias)).abs() <= 2e-6 * size + 1e-6).all())
+    # the bias is one float add after the chain
+    assert torch.equal(kernels.packed_int4_linear(x, codes, scales, zeros, n) + bias, results["avx512vnni"])
+
+
+def test_the_packed_module_refuses_a_wrong_depth(kernels):
+    from pagedserve.kernels.cpu_packed import PackedInt4Linear, is_int4_linear
+
+    torch.manual_seed(0)
+    module = Int4Linear.from_linear(torch.nn.Linear(200, 37), 128, symmetric=False)
+    assert is_int4_linear(module)
+    packed = PackedInt4Linear(module)
+    x = torch.randn(4, 200)
+    assert torch.allclose(packed(x), module(x), atol=1e-4)
+    with pytest.raises(RuntimeError, match="packed int4 weight"):
+        packed(torch.randn(4, 100))

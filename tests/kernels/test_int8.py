@@ -19,6 +19,12 @@ from pagedserve.plugins.int8_quantization import (
 )
 
 from engine_helpers import assert_fused_step_equals_eager
+from int8_reference import (
+    ACT_BLOCK,
+    assert_equals_the_reference,
+    int8_int8_linear_ref,
+    quantize_activations_ref,
+)
 
 needs_kernels = pytest.mark.skipif(cpu_kernels() is None, reason="the CPU kernels need a C++ compiler")
 #: the int8 × int8 kernels of this CPU (kernels/csrc/cpu_int8_gemv.cpp: avx512vnni, avxvnni,
@@ -53,39 +59,6 @@ def float_path():
         return
     with _select("float"):
         yield
-
-
-#: the activation block of the int8 × int8 kernels (kernels/csrc/cpu_int8_gemv.cpp): one scale per 32 values
-ACT_BLOCK = 32
-
-
-def quantize_activations_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q, d) of float32 rows x [m, k] as the int8 × int8 kernels quantize them, both [m, k]: per block
-    of 32 values of a row, d = max|x| / 127 and q = round(x · 127 / max|x|) (to nearest even;
-    0 for an all-zero block), so |q·d - x| <= d/2 (up to float32 rounding)."""
-    m, k = x.shape
-    blocks = -(-k // ACT_BLOCK)
-    padded = torch.zeros(m, blocks * ACT_BLOCK)
-    padded[:, :k] = x
-    amax = padded.view(m, blocks, ACT_BLOCK).abs().amax(dim=2, keepdim=True)
-    inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
-    q = torch.round(padded.view(m, blocks, ACT_BLOCK) * inverse)
-    d = (amax / 127.0).expand(m, blocks, ACT_BLOCK)
-    return q.reshape(m, -1)[:, :k], d.reshape(m, -1)[:, :k]
-
-
-def int8_int8_linear_ref(x, q, scale, bias=None) -> torch.Tensor:
-    """What the int8 × int8 kernels compute, in double precision: Σ_k (q_x·d)[r, k] · q[o, k] · scale[o]."""
-    qx, d = quantize_activations_ref(x)
-    y = (qx.double() * d.double()) @ q.double().T * scale.double()
-    return y if bias is None else y + bias.double()
-
-
-def assert_equals_the_reference(y, x, q, scale, bias=None) -> None:
-    """y equals int8_int8_linear_ref to float32 rounding: within 1e-5 of Σ_k |x·w| (+ 1e-6)."""
-    slack = 1e-5 * (x.double().abs() @ (q.double().abs() * scale.double()[:, None]).T) + 1e-6
-    error = (y.double() - int8_int8_linear_ref(x, q, scale, bias)).abs()
-    assert bool((error <= slack).all()), float((error - slack).max())
 
 
 def activation_bound(x, q, scale) -> torch.Tensor:
@@ -354,14 +327,19 @@ def test_int8_module_forward_equals_the_dequantized_linear(rows, with_kernels, m
 
 def test_plugin_replaces_every_projection_and_reports_bytes(tiny_checkpoint):
     from pagedserve import LLM
-    from pagedserve.kernels.cpu_packed import PackedLinear
+    from pagedserve.kernels.cpu_packed import PackedInt8Linear, PackedLinear
 
-    runner = LLM(str(tiny_checkpoint("llama-gqa")), kv_cache_memory=1 << 22, quantization="int8").engine.runner
-    model = runner.model
-    assert not any(isinstance(m, torch.nn.Linear) for m in model.layers.modules())
-    quantized = [m for m in model.modules() if isinstance(m, Int8Linear)]
-    assert len(quantized) == 2 * 4  # qkv, o, gate_up, down per layer
-    assert isinstance(model.lm_head, PackedLinear)  # the LM head stays float by default (packed on CPU)
+    for pack in (False, True):
+        runner = LLM(str(tiny_checkpoint("llama-gqa")), kv_cache_memory=1 << 22, quantization="int8",
+                     pack_cpu_weights=pack).engine.runner
+        model = runner.model
+        assert not any(isinstance(m, torch.nn.Linear) for m in model.layers.modules())
+        # on CPU the loader packs the int8 linears for the packed int8 product (when it is built)
+        kind = PackedInt8Linear if pack and cpu_kernels() is not None else Int8Linear
+        quantized = [m for m in model.modules() if isinstance(m, kind)]
+        assert len(quantized) == 2 * 4  # qkv, o, gate_up, down per layer
+        # the LM head stays float by default (packed on CPU)
+        assert isinstance(model.lm_head, PackedLinear if pack and cpu_kernels() is not None else torch.nn.Linear)
     report = Int8Quantization().quantize(torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.ReLU()))
     assert (report.num_linear, report.float_bytes, report.quantized_bytes, report.lm_head) == (1, 8 * 16 * 4,
                                                                                               8 * 16 + 8 * 4, False)
@@ -383,7 +361,7 @@ def test_fused_step_with_int8_weights_equals_the_eager_int8_forward(tiny_checkpo
     from pagedserve import LLM
 
     engine = LLM(str(tiny_checkpoint(model_name)), kv_cache_memory=1 << 22, quantization="int8",
-                 quantize_lm_head=lm_head, int8_kernel="float").engine
+                 quantize_lm_head=lm_head, int8_kernel="float", pack_cpu_weights=False).engine
     runner = engine.runner
     weights = runner.model.decoder_weights()
     assert weights.layers[0].qkv.dtype == torch.int8 and weights.layers[0].down_scale is not None

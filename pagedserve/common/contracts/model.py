@@ -140,7 +140,11 @@ class DecoderLayerWeights:
     #: projection is float, in the model's dtype. int8: one float32 scale per output row of the
     #: projection of that name, whose tensor above is then int8 [out, in] (float weight =
     #: int8 × scale). int4: float32 [out, groups], one scale per group of inputs, and the tensor
-    #: above is uint8 [out, padded_in / 2], two codes a byte (plugins/int4_quantization.py)
+    #: above is uint8 [out, padded_in / 2], two codes a byte (plugins/int4_quantization.py).
+    #: Packed for the CPU products at load (kernels/cpu_packed.py), the weight tensors are
+    #: float32 [ceil(out / 16), in, 16], or uint8 4-D for int8 ([ceil(out / 16), ceil(in / 32) * 8,
+    #: 16, 4], scales as above) and int4 ([ceil(out / 16), padded_in / 8, 16, 4], scales and
+    #: zeros [ceil(out / 16), groups, 16])
     qkv_scale: torch.Tensor | None = None  # [q + 2 * kv] (int4: [q + 2 * kv, groups])
     o_proj_scale: torch.Tensor | None = None  # [hidden] (int4: [hidden, groups])
     gate_up_scale: torch.Tensor | None = None  # [2 * intermediate] (int4: [2 * intermediate, groups])
@@ -168,8 +172,13 @@ class DecoderWeights:
     num_kv_heads: int
     head_dim: int
     rms_norm_eps: float
-    lm_head_scale: torch.Tensor | None = None  # [vocab] when lm_head is int8 (--quantize-lm-head), [vocab, groups] int4
-    lm_head_zeros: torch.Tensor | None = None  # uint8 [vocab, groups]: an asymmetric int4 lm_head's zero points
+    #: [vocab] when lm_head is int8 (--quantize-lm-head), [vocab, groups] int4 (packed on CPU:
+    #: [ceil(vocab / 16), groups, 16])
+    lm_head_scale: torch.Tensor | None = None
+    lm_head_zeros: torch.Tensor | None = None  # uint8, shaped as the scales: an asymmetric int4 lm_head's zero points
+    #: the MLP's width (gate_up's rows / 2); None: read from the weights' shapes, which packed
+    #: int4 weights (padded to panels and whole groups) do not give exactly
+    intermediate_size: int | None = None
 
 
 class CausalLMPlugin(ABC):

@@ -20,7 +20,10 @@
 //  - an int8 KV cache (`--kv-cache-dtype int8`): each new K/V row is quantized as it is
 //    stored (`quantize_kv_row_int8`: head_dim int8 values, then the row's float32 scale, as
 //    kernels/reference_ops.quantize_kv_rows), and the attention kernel reads the rows so.
-//  - int8 weights (`--quantization int8`): `linear_rows_int8` reads each int8 weight row once.
+//  - int8 weights packed at load (kernels/cpu_packed.py's PackedInt8Linear, the default with
+//    `--quantization int8`): the int8 × int8 products of cpu_packed_int8.cpp at every row count
+//    (a 4-dimensional uint8 weight with its row scales).
+//  - unpacked int8 weights: `linear_rows_int8` reads each int8 weight row once.
 //    Where the CPU has AVX2 + FMA (or AVX-VNNI, or AVX-512 VNNI) it runs `linear_rows_int8_int8`
 //    (cpu_int8_gemv.cpp, chosen at run time: the activations quantized to int8 per block of
 //    32, int8 × int8 products). With `set_int8_kernel("float")`, or on other CPUs, it
@@ -60,6 +63,16 @@ void pack_linear_rows(const float* src, int64_t out, int64_t in, float* dst);
 const char* packed_linear_isa();
 bool set_packed_linear_isa(const std::string& name);
 constexpr int64_t kPackedPanel = 16;  // output rows per panel, as cpu_packed_gemm.cpp's kPanel
+// cpu_packed_int8.cpp: int8 × int8 products over int8 weights packed at load
+void linear_rows_packed_int8(const float* x, int64_t m, int64_t in, const uint8_t* packed, const float* scale,
+                             const float* bias, int64_t out, float* y);
+void pack_int8_rows(const int8_t* src, int64_t out, int64_t in, uint8_t* dst);
+int64_t packed_int8_bytes(int64_t out, int64_t in);
+void linear_rows_packed_int4(const float* x, int64_t m, int64_t in, int64_t kp, const uint8_t* codes,
+                             const float* scales, const uint8_t* zeros, int64_t groups, const float* bias, int64_t out,
+                             float* y);
+const char* packed_int8_isa();
+bool set_packed_int8_isa(const std::string& name);
 void linear_rows_int4(const float* x, int64_t m, int64_t in, const uint8_t* packed, const float* scales,
                       const uint8_t* zeros, int64_t kp, int64_t group, const float* bias, int64_t out,
                       float* y);  // cpu_int4_gemv.cpp
@@ -477,11 +490,17 @@ void linear_rows_blas(const float* x, int64_t m, int64_t in, const torch::Tensor
 // y = x·wᵀ (+ bias) of m rows: float32 w, int8 w with one scale per row, or int4 w (uint8, two
 // codes a byte) with a scale (and a zero point, if `zeros` is defined) per group of inputs.
 // float32 w packed in panels ([ceil(out / 16), in, 16], 3-D) runs cpu_packed_gemm.cpp at
-// every row count; an unpacked float32 w from `blas_rows` rows on (0: never) goes to torch's BLAS.
+// every row count, and so does int8 w packed for cpu_packed_int8.cpp (uint8, 4-D); an unpacked
+// float32 w from `blas_rows` rows on (0: never) goes to torch's BLAS.
 inline void linear_any(const float* x, int64_t m, int64_t in, const torch::Tensor& w, const torch::Tensor& scale,
                        const torch::Tensor& zeros, const float* bias, int64_t out, float* y, int64_t blas_rows = 0) {
   if (w.dim() == 3) {
     linear_rows_packed(x, m, in, w.data_ptr<float>(), bias, out, y);
+  } else if (w.dim() == 4 && scale.dim() == 1) {
+    linear_rows_packed_int8(x, m, in, w.data_ptr<uint8_t>(), scale.data_ptr<float>(), bias, out, y);
+  } else if (w.dim() == 4) {
+    linear_rows_packed_int4(x, m, in, w.size(1) * 8, w.data_ptr<uint8_t>(), scale.data_ptr<float>(),
+                            zeros.defined() ? zeros.data_ptr<uint8_t>() : nullptr, scale.size(1), bias, out, y);
   } else if (scale.defined() && w.scalar_type() == at::kByte) {
     const int64_t kp = w.size(1) * 2;
     linear_rows_int4(x, m, in, w.data_ptr<uint8_t>(), scale.data_ptr<float>(),
@@ -503,6 +522,26 @@ void check_weight(const torch::Tensor& w, const torch::Tensor& scale, const torc
     TORCH_CHECK(!scale.defined() && !zeros.defined() && w.scalar_type() == at::kFloat && w.size(1) == in &&
                     w.size(2) == 16 && w.size(0) == (out + 15) / 16,
                 name, ": a packed weight is float32 [ceil(out / 16), in, 16] with no scales");
+    return;
+  }
+  if (w.dim() == 4 && scale.defined() && scale.dim() == 3) {
+    const int64_t kp = w.size(1) * 8;
+    TORCH_CHECK(w.scalar_type() == at::kByte && w.size(0) == (out + 15) / 16 && w.size(2) == 16 && w.size(3) == 4 &&
+                    scale.scalar_type() == at::kFloat && scale.size(0) == w.size(0) && scale.size(2) == 16 &&
+                    scale.size(1) > 0 && kp % scale.size(1) == 0 && (kp / scale.size(1)) % 32 == 0 && kp >= in &&
+                    kp - in < kp / scale.size(1),
+                name, ": a packed int4 weight is uint8 [ceil(out / 16), padded_in / 8, 16, 4] with float32 scales "
+                      "[ceil(out / 16), groups, 16], groups of a multiple of 32 inputs covering ", in);
+    TORCH_CHECK(!zeros.defined() || (zeros.scalar_type() == at::kByte && zeros.sizes() == scale.sizes()),
+                name, ": packed int4 zeros must be uint8 shaped as the scales");
+    return;
+  }
+  if (w.dim() == 4) {
+    TORCH_CHECK(w.scalar_type() == at::kByte && w.size(0) == (out + 15) / 16 && w.size(1) == (in + 31) / 32 * 8 &&
+                    w.size(2) == 16 && w.size(3) == 4 && scale.defined() && scale.scalar_type() == at::kFloat &&
+                    scale.numel() == out && !zeros.defined(),
+                name, ": a packed int8 weight is uint8 [ceil(out / 16), ceil(in / 32) * 8, 16, 4] with float32 "
+                      "scales [out]");
     return;
   }
   if (scale.defined() && w.scalar_type() == at::kByte) {
@@ -585,7 +624,7 @@ class FusedDecoder {
   // down_zeros?], the int4 zero points; cos/sin [positions, head_dim].
   FusedDecoder(torch::Tensor embed, std::vector<std::vector<c10::optional<torch::Tensor>>> layers,
                torch::Tensor final_norm, torch::Tensor cos, torch::Tensor sin, int64_t num_heads,
-               int64_t num_kv_heads, int64_t head_dim, double eps)
+               int64_t num_kv_heads, int64_t head_dim, double eps, int64_t intermediate_size = 0)
       : embed_(embed.contiguous()), final_norm_(final_norm.contiguous()), cos_(cos.contiguous()),
         sin_(sin.contiguous()), num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim),
         eps_(static_cast<float>(eps)) {
@@ -602,8 +641,15 @@ class FusedDecoder {
     }
     hidden_size_ = embed_.size(1);
     const auto& first = layers_.at(0);
-    // gate_up's rows (packed: its panels of 16 rows, so down's depth)
-    intermediate_ = first.gate_up.dim() == 3 ? first.down.size(1) : first.gate_up.size(0) / 2;
+    // gate_up's rows / 2: given (packed int4 weights are padded to panels of 16 rows and to whole
+    // groups of inputs), else from the weights (packed float32: its panels of 16 rows, so
+    // down's depth; packed int8: its row scales)
+    TORCH_CHECK(intermediate_size > 0 || first.gate_up.dim() != 4 || first.gate_up_scale.dim() == 1,
+                "FusedDecoder: packed int4 weights need the intermediate size");
+    intermediate_ = intermediate_size > 0        ? intermediate_size
+                    : first.gate_up.dim() == 3 ? first.down.size(1)
+                    : first.gate_up.dim() == 4 ? first.gate_up_scale.numel() / 2
+                                               : first.gate_up.size(0) / 2;
     q_size_ = num_heads_ * head_dim_;
     kv_size_ = num_kv_heads_ * head_dim_;
     for (const auto& L : layers_) {
@@ -914,7 +960,10 @@ void bind_cpu_decode(pybind11::module& m) {
   m.def("linear_tiles_compiled", []() { return kHaveTiles; }, "whether this build has the register-tile kernel");
   pybind11::class_<FusedDecoder>(m, "FusedDecoder")
       .def(pybind11::init<torch::Tensor, std::vector<std::vector<c10::optional<torch::Tensor>>>, torch::Tensor,
-                          torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t, double>())
+                          torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t, double, int64_t>(),
+           pybind11::arg("embed"), pybind11::arg("layers"), pybind11::arg("final_norm"), pybind11::arg("cos"),
+           pybind11::arg("sin"), pybind11::arg("num_heads"), pybind11::arg("num_kv_heads"), pybind11::arg("head_dim"),
+           pybind11::arg("eps"), pybind11::arg("intermediate_size") = 0)
       .def("forward", &FusedDecoder::forward)
       .def("take_profile", &FusedDecoder::take_profile)
       .def("set_profile", &FusedDecoder::set_profile)
@@ -950,14 +999,75 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t out, 
   return y.view(sizes);
 }
 
+// The int8 products over packed int8 weights (cpu_packed_int8.cpp), likewise.
+torch::Tensor pack_int8_weight(torch::Tensor w) {
+  TORCH_CHECK(w.scalar_type() == at::kChar && w.dim() == 2, "pack_int8_weight: an int8 [out, in] weight");
+  auto wc = w.contiguous();
+  const int64_t out = w.size(0), in = w.size(1);
+  auto packed = torch::empty({(out + 15) / 16, (in + 31) / 32 * 8, 16, 4}, w.options().dtype(at::kByte));
+  TORCH_CHECK(packed.numel() == packed_int8_bytes(out, in), "pack_int8_weight: layout size");
+  pack_int8_rows(wc.data_ptr<int8_t>(), out, in, packed.data_ptr<uint8_t>());
+  return packed;
+}
+
+// y = (x·Wᵀ)·scale (+ bias), x float32 [..., in], W packed by pack_int8_weight, out its row count.
+torch::Tensor packed_int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, int64_t out,
+                                 const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "packed_int8_linear: float32 x");
+  const int64_t in = x.size(-1);
+  TORCH_CHECK(packed.is_contiguous() && scale.is_contiguous(), "packed_int8_linear: contiguous weights");
+  TORCH_CHECK(scale.dim() == 1, "packed_int8_linear: float32 scales [out]");
+  check_weight(packed, scale, torch::Tensor(), out, in, "packed_int8_linear");
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->numel() == out),
+              "packed_int8_linear: float32 bias [out]");
+  auto sizes = x.sizes().vec();
+  auto xc = x.reshape({-1, in}).contiguous();
+  sizes.back() = out;
+  auto y = torch::empty({xc.size(0), out}, x.options());
+  torch::Tensor bc = bias.has_value() ? bias->contiguous() : torch::Tensor();
+  linear_rows_packed_int8(xc.data_ptr<float>(), xc.size(0), in, packed.data_ptr<uint8_t>(), scale.data_ptr<float>(),
+                          bc.defined() ? bc.data_ptr<float>() : nullptr, out, y.data_ptr<float>());
+  return y.view(sizes);
+}
+
+// y = x·Wᵀ (+ bias), x float32 [..., in], W int4 packed by kernels/cpu_packed.py's pack_int4_weight.
+torch::Tensor packed_int4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
+                                 const c10::optional<torch::Tensor>& zeros, int64_t out,
+                                 const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "packed_int4_linear: float32 x");
+  const int64_t in = x.size(-1);
+  TORCH_CHECK(codes.is_contiguous() && scales.is_contiguous() && (!zeros.has_value() || zeros->is_contiguous()),
+              "packed_int4_linear: contiguous weights");
+  TORCH_CHECK(scales.dim() == 3, "packed_int4_linear: scales [ceil(out / 16), groups, 16]");
+  const torch::Tensor z = zeros.has_value() ? *zeros : torch::Tensor();
+  check_weight(codes, scales, z, out, in, "packed_int4_linear");
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->numel() == out),
+              "packed_int4_linear: float32 bias [out]");
+  auto sizes = x.sizes().vec();
+  auto xc = x.reshape({-1, in}).contiguous();
+  sizes.back() = out;
+  auto y = torch::empty({xc.size(0), out}, x.options());
+  torch::Tensor bc = bias.has_value() ? bias->contiguous() : torch::Tensor();
+  linear_rows_packed_int4(xc.data_ptr<float>(), xc.size(0), in, codes.size(1) * 8, codes.data_ptr<uint8_t>(),
+                          scales.data_ptr<float>(), z.defined() ? z.data_ptr<uint8_t>() : nullptr, scales.size(1),
+                          bc.defined() ? bc.data_ptr<float>() : nullptr, out, y.data_ptr<float>());
+  return y.view(sizes);
+}
+
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
+  m.def("packed_int4_linear(Tensor x, Tensor codes, Tensor scales, Tensor? zeros, int out, Tensor? bias=None) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor packed, int out, Tensor? bias=None) -> Tensor");
   m.def("pack_linear_weight(Tensor w) -> Tensor");
+  m.def("packed_int8_linear(Tensor x, Tensor packed, Tensor scale, int out, Tensor? bias=None) -> Tensor");
+  m.def("pack_int8_weight(Tensor w) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
   m.impl("packed_linear", &packed_linear);
   m.impl("pack_linear_weight", &pack_linear_weight);
+  m.impl("packed_int8_linear", &packed_int8_linear);
+  m.impl("packed_int4_linear", &packed_int4_linear);
+  m.impl("pack_int8_weight", &pack_int8_weight);
 }
 
 void bind_cpu_packed_gemm(pybind11::module& m) {
@@ -969,5 +1079,18 @@ void bind_cpu_packed_gemm(pybind11::module& m) {
   m.def("set_packed_linear_isa", [](const std::string& name) {
     TORCH_CHECK(set_packed_linear_isa(name),
                 "set_packed_linear_isa: avx512, avx2 or scalar (the best this CPU runs is used when asked for more)");
+  }, "at most this kernel (tests compare them); every kernel gives the same bits", pybind11::arg("name"));
+  m.def("packed_int8_linear", &packed_int8_linear, "y = (x·Wᵀ)·scale (+ bias) over an int8 weight packed by "
+        "pack_int8_weight", pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("scale"), pybind11::arg("out"),
+        pybind11::arg("bias") = pybind11::none());
+  m.def("packed_int4_linear", &packed_int4_linear, "y = x·Wᵀ (+ bias) over an int4 weight packed by "
+        "kernels/cpu_packed.py's pack_int4_weight", pybind11::arg("x"), pybind11::arg("codes"), pybind11::arg("scales"),
+        pybind11::arg("zeros"), pybind11::arg("out"), pybind11::arg("bias") = pybind11::none());
+  m.def("pack_int8_weight", &pack_int8_weight, "int8 [out, in] → uint8 [ceil(out / 16), ceil(in / 32) * 8, 16, 4]");
+  m.def("packed_int8_isa", []() { return std::string(packed_int8_isa()); },
+        "the packed int8 product's kernel in use: avx512vnni, avx2 or scalar");
+  m.def("set_packed_int8_isa", [](const std::string& name) {
+    TORCH_CHECK(set_packed_int8_isa(name),
+                "set_packed_int8_isa: avx512vnni, avx2 or scalar (the best this CPU runs is used when asked for more)");
   }, "at most this kernel (tests compare them); every kernel gives the same bits", pybind11::arg("name"));
 }

@@ -51,7 +51,8 @@ def _weight(module: nn.Module, name: str = "weight") -> torch.Tensor:
 
 def _weight_of(module: nn.Module) -> torch.Tensor:
     """What a fused kernel reads of a linear: its weight, an int4 linear's packed codes, or a
-    packed float32 linear's panels (kernels/cpu_packed.py: [ceil(out / 16), in, 16])."""
+    packed linear's panels (kernels/cpu_packed.py: float32 [ceil(out / 16), in, 16], int8 or
+    int4 bytes 4-D)."""
     for name in ("qweight", "packed"):
         if hasattr(module, name):
             return cast(torch.Tensor, getattr(module, name))
@@ -59,13 +60,14 @@ def _weight_of(module: nn.Module) -> torch.Tensor:
 
 
 def _scale(linear: nn.Module) -> torch.Tensor | None:
-    """The scales of a quantized linear: per row (int8) or per group (int4); None for a float one."""
-    return cast(torch.Tensor, linear.scales) if hasattr(linear, "qweight") else getattr(linear, "weight_scale", None)
+    """The scales of a quantized linear: per row (int8: `weight_scale`) or per group (int4,
+    packed or not: `scales`); None for a float one."""
+    return cast(torch.Tensor, linear.scales) if hasattr(linear, "scales") else getattr(linear, "weight_scale", None)
 
 
 def _zeros(linear: nn.Module) -> torch.Tensor | None:
     """An asymmetric int4 linear's zero points; None otherwise."""
-    return getattr(linear, "zeros", None) if hasattr(linear, "qweight") else None
+    return getattr(linear, "zeros", None) if hasattr(linear, "scales") else None
 
 
 #: the layers that load their rank's shard of a checkpoint tensor themselves
@@ -250,6 +252,7 @@ class LlamaForCausalLM(nn.Module, CausalLMPlugin):
             lm_head_zeros=None if self.lm_head is None else _zeros(self.lm_head),
             cos=first.rotary.cos, sin=first.rotary.sin, num_heads=first.num_heads, num_kv_heads=first.num_kv_heads,
             head_dim=first.head_dim, rms_norm_eps=float(self.config.rms_norm_eps),
+            intermediate_size=int(self.config.intermediate_size),
         )
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -1,0 +1,615 @@
+// int8 weights × int8 activations over weights packed at load, for any number of rows: the
+// int8 model's products at every batch size, in the fused decode step (cpu_decode.cpp) and in
+// the eager forward (kernels/cpu_packed.py's PackedInt8Linear), prefill included.
+//
+// The numbers are llama.cpp's Q8_0 × Q8_0, as the few-row kernels of cpu_int8_gemv.cpp: the
+// weights are int8 with one float32 scale per output row (plugins/int8_quantization.py); each
+// activation row is quantized per block of 32 values (d = max|x| / 127, q = round(x / d)).
+// An output is
+//     y[r, o] = fma(acc, scale[o], bias[o]),  acc = the chain over blocks b = 0, 1, ...:
+//               acc = fma(float(S[r, o, b]), d[r, b], acc),  S = Σ_{k in b} q[r, k]·w[o, k]
+// where S is an exact int32 (|S| <= 32·128·127 < 2^24, so float(S) is exact too). Every kernel
+// below computes exactly this, so a row's bits do not depend on the kernel, the tile it lands
+// in, how many rows share the call or how many threads split it: batch-invariant.
+//
+// The layout: W [out, in] is cut into panels of 16 output rows; a panel is stored as
+// [in_p / 4, 16, 4] bytes (in_p = in rounded up to 32, zero-padded): for each group of 4
+// inputs, the 4 weights of each of the 16 outputs together. That is the operand shape of
+// `vpdpbusd`: one 64-byte load is 16 int32 lanes of 4 products each, against 4 activation
+// bytes broadcast to every lane. The bytes are stored as w + 128 (unsigned), because
+// `vpdpbusd` multiplies unsigned by signed bytes; the activation side starts each block's sum
+// at -128·Σq, so the int32 is exactly Σ q·w.
+//
+// Kernels (function-level target attributes; one -march=native build holds those the compiler
+// knows and `__builtin_cpu_supports` picks at run time):
+//  - `avx512vnni`: per 4 inputs of a tile of MR rows × NP panels, NP loads, MR broadcasts and
+//    MR·NP `vpdpbusd` (64 products each, against 16 for a float32 FMA); per block of 32 inputs
+//    one conversion and one FMA per accumulator.
+//  - `avx2` (AVX2 + FMA, no VNNI; also used on AVX-VNNI CPUs): llama.cpp's sign trick on the
+//    same bytes: `vpmaddubsw` of |w| (unsigned) by q with w's sign (signed), pairs into int16
+//    (at most 2·128·127 = 32512: never saturated), then `vpmaddwd` by ones into int32.
+//  - `scalar`: the same sums in plain C++ (other CPUs, and the reference in tests).
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <utility>
+#include <vector>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define PSI_X86 1
+#define PSI_AVX2 __attribute__((target("avx2,fma")))
+#define PSI_VNNI __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vnni")))
+#endif
+
+namespace {
+
+constexpr int64_t kPanel = 16;          // output rows per panel
+constexpr int64_t kBlock = 32;          // activation values per scale
+constexpr int64_t kPanelBlock = kPanel * kBlock;  // bytes of one panel's block of 32 inputs
+constexpr int64_t kBlockBytes = 128 << 10;  // the quantized rows one row block keeps in L2
+constexpr int64_t kPrefetchBytes = 2048;    // the panel bytes a tile prefetches ahead
+
+enum class Isa { kScalar, kAvx2, kAvx512Vnni };
+
+Isa detect_isa() {
+#ifdef PSI_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+    return Isa::kAvx512Vnni;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::kAvx2;
+#endif
+  return Isa::kScalar;
+}
+
+Isa forced_isa = Isa::kAvx512Vnni;  // set_packed_int8_isa: at most this one (tests compare them)
+
+Isa active_isa() {
+  static const Isa best = detect_isa();
+  return std::min(best, forced_isa);
+}
+
+// The activations of one call, quantized: row r's values q[r·kp ...] (kp = in_p, the padding
+// 0), its block scales d[r·nb + b] and -128·Σq of each block nc[r·nb + b] (nb = kp / 32).
+struct Rows {
+  const int8_t* q;
+  const float* d;
+  const int32_t* nc;
+  int64_t kp, nb;
+};
+
+// One plain loop for every kernel, so the scales and codes are the same bits whichever runs.
+void quantize_rows(const float* x, int64_t m, int64_t in, int64_t kp, int8_t* q, float* d, int32_t* nc) {
+  const int64_t nb = kp / kBlock;
+  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* xr = x + r * in;
+      for (int64_t b = 0; b < nb; ++b) {
+        const int64_t k0 = b * kBlock, n = std::min(kBlock, in - k0);
+        float amax = 0.f;
+        for (int64_t k = 0; k < n; ++k) amax = std::max(amax, std::fabs(xr[k0 + k]));
+        const float id = amax > 0.f ? 127.f / amax : 0.f;
+        int32_t sum = 0;
+        int8_t* qb = q + r * kp + k0;
+        for (int64_t k = 0; k < kBlock; ++k) {
+          // round to nearest even, as the vector conversions do; |x·id| <= 127 up to rounding
+          const int32_t v = k < n ? static_cast<int32_t>(std::nearbyint(xr[k0 + k] * id)) : 0;
+          qb[k] = static_cast<int8_t>(std::clamp(v, -127, 127));
+          sum += qb[k];
+        }
+        d[r * nb + b] = amax / 127.f;
+        nc[r * nb + b] = -128 * sum;
+      }
+    }
+  });
+}
+
+// c[i][p·16 + j] = the accumulator (before the row scale) of row i against output j of panel p,
+// for MR rows at q (rows `rows.kp` apart) and NP panels at w (panel_stride bytes apart).
+template <int MR, int NP>
+void tile_scalar(const Rows& rows, int64_t r0, const uint8_t* w, int64_t panel_stride, float* c, int64_t ldc) {
+  for (int i = 0; i < MR; ++i)
+    for (int p = 0; p < NP; ++p)
+      for (int j = 0; j < kPanel; ++j) {
+        const int8_t* q = rows.q + (r0 + i) * rows.kp;
+        const uint8_t* wp = w + p * panel_stride;
+        float acc = 0.f;
+        for (int64_t b = 0; b < rows.nb; ++b) {
+          int32_t s = 0;
+          for (int64_t k = b * kBlock; k < (b + 1) * kBlock; ++k)
+            s += q[k] * (static_cast<int32_t>(wp[(k / 4) * 64 + j * 4 + k % 4]) - 128);
+          acc = std::fma(static_cast<float>(s), rows.d[(r0 + i) * rows.nb + b], acc);
+        }
+        c[i * ldc + p * kPanel + j] = acc;
+      }
+}
+
+#ifdef PSI_X86
+template <int MR, int NP>
+PSI_VNNI void tile_vnni(const Rows& rows, int64_t r0, const uint8_t* w, int64_t panel_stride, float* c,
+                        int64_t ldc) {
+  __m512 acc[MR][NP];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+    for (int p = 0; p < NP; ++p) acc[i][p] = _mm512_setzero_ps();
+  const int8_t* q = rows.q + r0 * rows.kp;
+  const float* d = rows.d + r0 * rows.nb;
+  const int32_t* nc = rows.nc + r0 * rows.nb;
+  for (int64_t b = 0; b < rows.nb; ++b) {
+    __m512i s[MR][NP];
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const __m512i start = _mm512_set1_epi32(nc[i * rows.nb + b]);
+#pragma GCC unroll 8
+      for (int p = 0; p < NP; ++p) s[i][p] = start;
+    }
+    const uint8_t* wb = w + b * kPanelBlock;
+#pragma GCC unroll 8
+    for (int t = 0; t < kBlock / 4; ++t) {
+      __m512i wv[NP];
+#pragma GCC unroll 8
+      for (int p = 0; p < NP; ++p) {
+        _mm_prefetch(reinterpret_cast<const char*>(wb + p * panel_stride + t * 64) + kPrefetchBytes, _MM_HINT_T0);
+        wv[p] = _mm512_loadu_si512(wb + p * panel_stride + t * 64);
+      }
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i) {
+        int32_t four;
+        std::memcpy(&four, q + i * rows.kp + b * kBlock + t * 4, 4);
+        const __m512i xv = _mm512_set1_epi32(four);
+#pragma GCC unroll 8
+        for (int p = 0; p < NP; ++p) s[i][p] = _mm512_dpbusd_epi32(s[i][p], wv[p], xv);
+      }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const __m512 dv = _mm512_set1_ps(d[i * rows.nb + b]);
+#pragma GCC unroll 8
+      for (int p = 0; p < NP; ++p) acc[i][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i][p]), dv, acc[i][p]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+    for (int p = 0; p < NP; ++p) _mm512_storeu_ps(c + i * ldc + p * kPanel, acc[i][p]);
+}
+
+template <int MR, int NP>
+PSI_AVX2 void tile_avx2(const Rows& rows, int64_t r0, const uint8_t* w, int64_t panel_stride, float* c,
+                        int64_t ldc) {
+  const __m256i c128 = _mm256_set1_epi8(static_cast<char>(0x80));
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[MR][NP][2];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+    for (int p = 0; p < NP; ++p) acc[i][p][0] = acc[i][p][1] = _mm256_setzero_ps();
+  const int8_t* q = rows.q + r0 * rows.kp;
+  const float* d = rows.d + r0 * rows.nb;
+  for (int64_t b = 0; b < rows.nb; ++b) {
+    __m256i s[MR][NP][2];
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+      for (int p = 0; p < NP; ++p) s[i][p][0] = s[i][p][1] = _mm256_setzero_si256();
+    const uint8_t* wb = w + b * kPanelBlock;
+#pragma GCC unroll 8
+    for (int t = 0; t < kBlock / 4; ++t) {
+      __m256i ws[NP][2], wa[NP][2];
+#pragma GCC unroll 8
+      for (int p = 0; p < NP; ++p) {
+        const uint8_t* wp = wb + p * panel_stride + t * 64;
+        _mm_prefetch(reinterpret_cast<const char*>(wp) + kPrefetchBytes, _MM_HINT_T0);
+        ws[p][0] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp)), c128);
+        ws[p][1] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 32)), c128);
+        wa[p][0] = _mm256_abs_epi8(ws[p][0]);
+        wa[p][1] = _mm256_abs_epi8(ws[p][1]);
+      }
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i) {
+        int32_t four;
+        std::memcpy(&four, q + i * rows.kp + b * kBlock + t * 4, 4);
+        const __m256i xv = _mm256_set1_epi32(four);
+#pragma GCC unroll 8
+        for (int p = 0; p < NP; ++p)
+#pragma GCC unroll 2
+          for (int h = 0; h < 2; ++h)
+            s[i][p][h] = _mm256_add_epi32(
+                s[i][p][h], _mm256_madd_epi16(_mm256_maddubs_epi16(wa[p][h], _mm256_sign_epi8(xv, ws[p][h])), ones));
+      }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const __m256 dv = _mm256_set1_ps(d[i * rows.nb + b]);
+#pragma GCC unroll 8
+      for (int p = 0; p < NP; ++p)
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) acc[i][p][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i][p][h]), dv, acc[i][p][h]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+    for (int p = 0; p < NP; ++p) {
+      _mm256_storeu_ps(c + i * ldc + p * kPanel, acc[i][p][0]);
+      _mm256_storeu_ps(c + i * ldc + p * kPanel + 8, acc[i][p][1]);
+    }
+}
+#endif
+
+// ---- int4 weights ----
+// The codes (0..15) of a panel are [in_p / 8, 16, 4] bytes: byte (t, j, i) holds output j's
+// code of input 8t + i in its low nibble and of input 8t + 4 + i in its high nibble, so one
+// 64-byte load, masked and shifted, is the `vpdpbusd` operand of two groups of 4 inputs (the
+// codes are unsigned already). Scales are float32 [panels, groups, 16] and zero points uint8
+// [panels, groups, 16] (none: symmetric, 8). An output is
+//     y[r, o] = acc (+ bias[o]),  acc = the chain over blocks b of 32 inputs, in group g(b):
+//               acc = fma(float(S[r, o, b]), d[r, b]·scale[o, g], acc),
+//               S = Σ_{k in b} code[o, k]·q[r, k] - zero[o, g]·Σ_{k in b} q[r, k]   (exact int32)
+// with d[r, b]·scale[o, g] one rounded float32 product, in every kernel.
+struct Int4Panels {
+  const uint8_t* codes;   // panel p0's codes; panels `stride` bytes apart
+  const float* scales;    // panel p0's scales; panels `groups`·16 floats apart
+  const uint8_t* zeros;   // likewise, or null (symmetric)
+  int64_t stride, groups, blocks_per_group;
+};
+
+inline int32_t code_at(const uint8_t* panel, int64_t k, int j) {
+  const uint8_t byte = panel[(k / 8) * 64 + j * 4 + k % 4];
+  return (k % 8) < 4 ? (byte & 0x0F) : (byte >> 4);
+}
+
+template <int MR, int NP>
+void tile4_scalar(const Rows& rows, int64_t r0, const Int4Panels& w, float* c, int64_t ldc) {
+  for (int i = 0; i < MR; ++i)
+    for (int p = 0; p < NP; ++p)
+      for (int j = 0; j < kPanel; ++j) {
+        const int8_t* q = rows.q + (r0 + i) * rows.kp;
+        float acc = 0.f;
+        for (int64_t b = 0; b < rows.nb; ++b) {
+          const int64_t g = b / w.blocks_per_group, at = (p * w.groups + g) * kPanel + j;
+          int32_t s = 0;
+          for (int64_t k = b * kBlock; k < (b + 1) * kBlock; ++k) s += q[k] * code_at(w.codes + p * w.stride, k, j);
+          const int32_t zero = w.zeros ? w.zeros[at] : 8;
+          s -= zero * (rows.nc[(r0 + i) * rows.nb + b] / -128);  // nc = -128·Σq
+          acc = std::fma(static_cast<float>(s), rows.d[(r0 + i) * rows.nb + b] * w.scales[at], acc);
+        }
+        c[i * ldc + p * kPanel + j] = acc;
+      }
+}
+
+#ifdef PSI_X86
+template <int MR, int NP>
+PSI_VNNI void tile4_vnni(const Rows& rows, int64_t r0, const Int4Panels& w, float* c, int64_t ldc) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 acc[MR][NP];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+    for (int p = 0; p < NP; ++p) acc[i][p] = _mm512_setzero_ps();
+  const int8_t* q = rows.q + r0 * rows.kp;
+  for (int64_t b = 0; b < rows.nb; ++b) {
+    __m512i s[MR][NP];
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+      for (int p = 0; p < NP; ++p) s[i][p] = _mm512_setzero_si512();
+    const uint8_t* wb = w.codes + b * (kPanelBlock / 2);
+#pragma GCC unroll 4
+    for (int t = 0; t < kBlock / 8; ++t) {
+      __m512i lo[NP], hi[NP];
+#pragma GCC unroll 8
+      for (int p = 0; p < NP; ++p) {
+        _mm_prefetch(reinterpret_cast<const char*>(wb + p * w.stride + t * 64) + kPrefetchBytes, _MM_HINT_T0);
+        const __m512i v = _mm512_loadu_si512(wb + p * w.stride + t * 64);
+        lo[p] = _mm512_and_si512(v, low);
+        hi[p] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      }
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i) {
+        int32_t first, second;
+        std::memcpy(&first, q + i * rows.kp + b * kBlock + t * 8, 4);
+        std::memcpy(&second, q + i * rows.kp + b * kBlock + t * 8 + 4, 4);
+        const __m512i x0 = _mm512_set1_epi32(first), x1 = _mm512_set1_epi32(second);
+#pragma GCC unroll 8
+        for (int p = 0; p < NP; ++p) s[i][p] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(s[i][p], lo[p], x0), hi[p], x1);
+      }
+    }
+    const int64_t g = b / w.blocks_per_group;
+    __m512 sv[NP];
+    __m512i zv[NP];
+#pragma GCC unroll 8
+    for (int p = 0; p < NP; ++p) {
+      const int64_t at = (p * w.groups + g) * kPanel;
+      sv[p] = _mm512_loadu_ps(w.scales + at);
+      zv[p] = w.zeros ? _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.zeros + at)))
+                      : _mm512_set1_epi32(8);
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const __m512i sum = _mm512_set1_epi32(rows.nc[(r0 + i) * rows.nb + b] / -128);
+      const __m512 dv = _mm512_set1_ps(rows.d[(r0 + i) * rows.nb + b]);
+#pragma GCC unroll 8
+      for (int p = 0; p < NP; ++p) {
+        const __m512i exact = _mm512_sub_epi32(s[i][p], _mm512_mullo_epi32(zv[p], sum));
+        acc[i][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_mul_ps(dv, sv[p]), acc[i][p]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+    for (int p = 0; p < NP; ++p) _mm512_storeu_ps(c + i * ldc + p * kPanel, acc[i][p]);
+}
+
+// AVX2: `vpmaddubsw` of the codes (unsigned, at most 15) by q (signed): pairs of at most
+// 2·15·127 = 3810 in int16, never saturated; then `vpmaddwd` by ones into int32.
+template <int MR, int NP>
+PSI_AVX2 void tile4_avx2(const Rows& rows, int64_t r0, const Int4Panels& w, float* c, int64_t ldc) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[MR][NP][2];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+    for (int p = 0; p < NP; ++p) acc[i][p][0] = acc[i][p][1] = _mm256_setzero_ps();
+  const int8_t* q = rows.q + r0 * rows.kp;
+  for (int64_t b = 0; b < rows.nb; ++b) {
+    __m256i s[MR][NP][2];
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+      for (int p = 0; p < NP; ++p) s[i][p][0] = s[i][p][1] = _mm256_setzero_si256();
+    const uint8_t* wb = w.codes + b * (kPanelBlock / 2);
+#pragma GCC unroll 4
+    for (int t = 0; t < kBlock / 8; ++t) {
+      __m256i lo[NP][2], hi[NP][2];
+#pragma GCC unroll 8
+      for (int p = 0; p < NP; ++p) {
+        const uint8_t* wp = wb + p * w.stride + t * 64;
+        _mm_prefetch(reinterpret_cast<const char*>(wp) + kPrefetchBytes, _MM_HINT_T0);
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 32 * h));
+          lo[p][h] = _mm256_and_si256(v, low);
+          hi[p][h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        }
+      }
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i) {
+        int32_t first, second;
+        std::memcpy(&first, q + i * rows.kp + b * kBlock + t * 8, 4);
+        std::memcpy(&second, q + i * rows.kp + b * kBlock + t * 8 + 4, 4);
+        const __m256i x0 = _mm256_set1_epi32(first), x1 = _mm256_set1_epi32(second);
+#pragma GCC unroll 8
+        for (int p = 0; p < NP; ++p)
+#pragma GCC unroll 2
+          for (int h = 0; h < 2; ++h)
+            s[i][p][h] = _mm256_add_epi32(
+                s[i][p][h], _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo[p][h], x0),
+                                                               _mm256_maddubs_epi16(hi[p][h], x1)), ones));
+      }
+    }
+    const int64_t g = b / w.blocks_per_group;
+#pragma GCC unroll 8
+    for (int p = 0; p < NP; ++p) {
+      const int64_t at = (p * w.groups + g) * kPanel;
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        const __m256 sv = _mm256_loadu_ps(w.scales + at + 8 * h);
+        const __m256i zv = w.zeros ? _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.zeros + at + 8 * h)))
+                                   : _mm256_set1_epi32(8);
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; ++i) {
+          const __m256i sum = _mm256_set1_epi32(rows.nc[(r0 + i) * rows.nb + b] / -128);
+          const __m256 dv = _mm256_set1_ps(rows.d[(r0 + i) * rows.nb + b]);
+          const __m256i exact = _mm256_sub_epi32(s[i][p][h], _mm256_mullo_epi32(zv, sum));
+          acc[i][p][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), _mm256_mul_ps(dv, sv), acc[i][p][h]);
+        }
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+    for (int p = 0; p < NP; ++p) {
+      _mm256_storeu_ps(c + i * ldc + p * kPanel, acc[i][p][0]);
+      _mm256_storeu_ps(c + i * ldc + p * kPanel + 8, acc[i][p][1]);
+    }
+}
+#endif
+
+// The tiles of each weight kind and instruction set, and their shapes within the registers.
+// int8 on AVX-512: 32 zmm hold an int32 and a float accumulator per row and panel, the
+// panels' weights and a broadcast; int4 needs two code vectors a panel. AVX2 has 16 ymm and
+// two of each a panel.
+struct Int8Tiles {
+  using Fn = void (*)(const Rows&, int64_t, const uint8_t*, int64_t, float*, int64_t);
+  static constexpr int max_rows(Isa isa) { return isa == Isa::kAvx2 ? 2 : 4; }
+  static constexpr int max_panels(Isa isa, int mr) {
+    if (isa == Isa::kAvx512Vnni) return mr == 1 ? 8 : mr == 2 ? 5 : mr == 3 ? 4 : 3;
+    if (isa == Isa::kAvx2) return mr == 1 ? 2 : 1;
+    return 1;
+  }
+  template <Isa I, int MR, int NP>
+  static Fn fn() {
+#ifdef PSI_X86
+    if constexpr (I == Isa::kAvx512Vnni) return &tile_vnni<MR, NP>;
+    if constexpr (I == Isa::kAvx2) return &tile_avx2<MR, NP>;
+#endif
+    return &tile_scalar<MR, NP>;
+  }
+};
+
+struct Int4Tiles {
+  using Fn = void (*)(const Rows&, int64_t, const Int4Panels&, float*, int64_t);
+  static constexpr int max_rows(Isa isa) { return isa == Isa::kAvx2 ? 2 : 4; }
+  static constexpr int max_panels(Isa isa, int mr) {
+    if (isa == Isa::kAvx512Vnni) return mr == 1 ? 6 : mr == 2 ? 4 : mr == 3 ? 3 : 2;
+    return 1;
+  }
+  template <Isa I, int MR, int NP>
+  static Fn fn() {
+#ifdef PSI_X86
+    if constexpr (I == Isa::kAvx512Vnni) return &tile4_vnni<MR, NP>;
+    if constexpr (I == Isa::kAvx2) return &tile4_avx2<MR, NP>;
+#endif
+    return &tile4_scalar<MR, NP>;
+  }
+};
+
+// The tile of mr rows × np panels (within the bounds above), through templates instantiated
+// only for the shapes that run.
+template <class T, Isa I, int MR, int NP = 1>
+typename T::Fn pick_np(int np) {
+  if constexpr (NP < T::max_panels(I, MR)) {
+    if (np != NP) return pick_np<T, I, MR, NP + 1>(np);
+  }
+  return T::template fn<I, MR, NP>();
+}
+
+template <class T, Isa I, int MR = 1>
+typename T::Fn pick_rows(int mr, int np) {
+  if constexpr (MR < T::max_rows(I)) {
+    if (mr != MR) return pick_rows<T, I, MR + 1>(mr, np);
+  }
+  return pick_np<T, I, MR>(np);
+}
+
+template <class T>
+typename T::Fn pick(Isa isa, int mr, int np) {
+  if (isa == Isa::kAvx512Vnni) return pick_rows<T, Isa::kAvx512Vnni>(mr, np);
+  if (isa == Isa::kAvx2) return pick_rows<T, Isa::kAvx2>(mr, np);
+  return pick_rows<T, Isa::kScalar>(mr, np);
+}
+
+// The activations of m rows quantized into thread-local buffers (reused from call to call),
+// zero-padded to kp values (a multiple of 32, at least in).
+Rows quantize(const float* x, int64_t m, int64_t in, int64_t kp) {
+  const int64_t nb = kp / kBlock;
+  thread_local std::vector<int8_t> q_buf;
+  thread_local std::vector<float> d_buf;
+  thread_local std::vector<int32_t> nc_buf;
+  q_buf.resize(std::max<int64_t>(1, m * kp));
+  d_buf.resize(std::max<int64_t>(1, m * nb));
+  nc_buf.resize(std::max<int64_t>(1, m * nb));
+  quantize_rows(x, m, in, kp, q_buf.data(), d_buf.data(), nc_buf.data());
+  return Rows{q_buf.data(), d_buf.data(), nc_buf.data(), kp, nb};
+}
+
+// The loops of both weight kinds: the tiles of `tp` panels split across torch's intra-op
+// threads; each thread runs blocks of rows (as many as keep their quantized values in about
+// 128 KB of L2) against each of its tiles, so a tile's panels are read from memory once per
+// row block. tile(mr, r, p0, np, c, ldc) computes mr rows from r against np panels from p0;
+// finish(j, o, acc) is output o's value from its accumulator.
+template <class Tile, class Finish>
+void run_tiles(const Rows& rows, int64_t m, int64_t out, int tm, int tp, const Tile& tile, const Finish& finish,
+               float* y) {
+  const int64_t panels = (out + kPanel - 1) / kPanel;
+  const int64_t block_rows = std::max<int64_t>(tm, kBlockBytes / rows.kp / tm * tm);
+  const int64_t tiles = (panels + tp - 1) / tp;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    float c[4 * 8 * kPanel];  // kMaxMR × kMaxNP × kPanel
+    const int64_t ldc = tp * kPanel;
+    for (int64_t r0 = 0; r0 < m; r0 += block_rows) {
+      const int64_t r1 = std::min(m, r0 + block_rows);
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t p0 = t * tp;
+        const int np = static_cast<int>(std::min<int64_t>(tp, panels - p0));
+        const int64_t o0 = p0 * kPanel, on = std::min<int64_t>(np * kPanel, out - o0);
+        for (int64_t r = r0; r < r1; r += tm) {
+          const int mr = static_cast<int>(std::min<int64_t>(tm, r1 - r));
+          tile(mr, r, p0, np, c, ldc);
+          for (int i = 0; i < mr; ++i) {
+            float* yr = y + (r + i) * out + o0;
+            const float* cr = c + i * ldc;
+            for (int64_t j = 0; j < on; ++j) yr[j] = finish(o0 + j, cr[j]);
+          }
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// Bytes of a packed weight of out × in: ceil(out / 16) panels of in_p × 16.
+int64_t packed_int8_bytes(int64_t out, int64_t in) {
+  return (out + kPanel - 1) / kPanel * ((in + kBlock - 1) / kBlock * kBlock) * kPanel;
+}
+
+// int8 W [out, in] (row-major) → dst [ceil(out / 16), in_p / 4, 16, 4] of w + 128, zero weights
+// (128) in the padding.
+void pack_int8_rows(const int8_t* src, int64_t out, int64_t in, uint8_t* dst) {
+  const int64_t panels = (out + kPanel - 1) / kPanel, kp = (in + kBlock - 1) / kBlock * kBlock;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      uint8_t* dp = dst + p * kp * kPanel;
+      std::memset(dp, 128, kp * kPanel);
+      for (int64_t j = 0; j < kPanel && p * kPanel + j < out; ++j)
+        for (int64_t k = 0; k < in; ++k)
+          dp[(k / 4) * 64 + j * 4 + k % 4] = static_cast<uint8_t>(src[(p * kPanel + j) * in + k] + 128);
+    }
+  });
+}
+
+// y[r, o] = (x[r, :] · W[o, :]) · scale[o] (+ bias[o]) for r < m, o < out, as the header says.
+void linear_rows_packed_int8(const float* x, int64_t m, int64_t in, const uint8_t* packed, const float* scale,
+                             const float* bias, int64_t out, float* y) {
+  if (m <= 0) return;
+  const Rows rows = quantize(x, m, in, (in + kBlock - 1) / kBlock * kBlock);
+  const Isa isa = active_isa();
+  const int tm = static_cast<int>(std::min<int64_t>(m, Int8Tiles::max_rows(isa)));
+  const int tp = Int8Tiles::max_panels(isa, tm);
+  const int64_t stride = rows.kp * kPanel;
+  run_tiles(
+      rows, m, out, tm, tp,
+      [&](int mr, int64_t r, int64_t p0, int np, float* c, int64_t ldc) {
+        pick<Int8Tiles>(isa, mr, np)(rows, r, packed + p0 * stride, stride, c, ldc);
+      },
+      [&](int64_t o, float acc) { return std::fma(acc, scale[o], bias ? bias[o] : 0.f); }, y);
+}
+
+// y[r, o] = x[r, :] · W[o, :] (+ bias[o]) for int4 W packed as the int4 section says: codes
+// [panels, kp / 8, 16, 4] (kp: in rounded up to the group size), scales [panels, groups, 16],
+// zeros likewise or null.
+void linear_rows_packed_int4(const float* x, int64_t m, int64_t in, int64_t kp, const uint8_t* codes,
+                             const float* scales, const uint8_t* zeros, int64_t groups, const float* bias, int64_t out,
+                             float* y) {
+  if (m <= 0) return;
+  const Rows rows = quantize(x, m, in, kp);
+  const Isa isa = active_isa();
+  const int tm = static_cast<int>(std::min<int64_t>(m, Int4Tiles::max_rows(isa)));
+  const int tp = Int4Tiles::max_panels(isa, tm);
+  const int64_t stride = rows.kp * kPanel / 2;
+  run_tiles(
+      rows, m, out, tm, tp,
+      [&](int mr, int64_t r, int64_t p0, int np, float* c, int64_t ldc) {
+        const Int4Panels w{codes + p0 * stride, scales + p0 * groups * kPanel,
+                           zeros ? zeros + p0 * groups * kPanel : nullptr, stride, groups, rows.nb / groups};
+        pick<Int4Tiles>(isa, mr, np)(rows, r, w, c, ldc);
+      },
+      [&](int64_t o, float acc) { return bias ? acc + bias[o] : acc; }, y);
+}
+
+// The kernel in use: avx512vnni, avx2 or scalar.
+const char* packed_int8_isa() {
+  switch (active_isa()) {
+    case Isa::kAvx512Vnni: return "avx512vnni";
+    case Isa::kAvx2: return "avx2";
+    default: return "scalar";
+  }
+}
+
+// At most this kernel (tests compare them); false for an unknown name.
+bool set_packed_int8_isa(const std::string& name) {
+  if (name != "avx512vnni" && name != "avx2" && name != "scalar") return false;
+  forced_isa = name == "avx512vnni" ? Isa::kAvx512Vnni : name == "avx2" ? Isa::kAvx2 : Isa::kScalar;
+  return true;
+}
