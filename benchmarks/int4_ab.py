@@ -1,6 +1,7 @@
 """int4 against int8 and float32 on CPU, interleaved round by round in one process.
 
-    python benchmarks/int4_ab.py [--rounds 5] [--tokens 32] [--threads 2] [--rows 1,16,64] [--quantize-lm-head]
+    python benchmarks/int4_ab.py [--rounds 5] [--tokens 32] [--threads 2] [--rows 1,16,64] [--batches 1]
+                                 [--quantize-lm-head]
 
 Two measurements, on the default model's shapes (or `--model`'s):
 - `linears`: one pass over the model's linear layers (qkv, o, gate_up, down of every layer)
@@ -8,10 +9,13 @@ Two measurements, on the default model's shapes (or `--model`'s):
   (`int4_linear`, group 32 and 128; group 32 also with each weight tile unpacked per group of 4
   rows, `set_int4_unpack_rows`, and as dequantize + float32 F.linear, what `Int4Linear` does
   above `int4_kernel_max_rows`) and float32 F.linear, each layer's weights made from the
-  checkpoint's. This is the kernels against each other, nothing else.
-- `decode`: batch-1 greedy decode tok/s of whole engines (float32, int8, int4, int4_g128),
-  every one with its decode steps in the fused C++ step (the int4 ones since it reads int4
-  weights; before that they ran the model's eager forward, Python's per-layer cost included).
+  checkpoint's; and the products over weights packed at load, what a CPU engine runs by
+  default (`int8 packed`, `int4_g32 packed`: csrc/cpu_packed_int8.cpp). This is the kernels
+  against each other, nothing else.
+- `decode`: greedy decode tok/s of whole engines (float32, int8, int4, int4_g128; packed, the
+  default), every one with its decode steps in the fused C++ step, for each batch of
+  `--batches` (that many 1-token prompts at once; `int4 eager`, without the fused step, at
+  batch 1 only).
 The int4 engines need the int4 entry points installed (pip install -e . after the merge).
 """
 
@@ -70,6 +74,10 @@ def linears(model: str, rows_list: list[int], rounds: int) -> None:
     g32 = [quantize4(w, 32) for w in weights]
     g128 = [quantize4(w, 128) for w in weights]
     ops = torch.ops.pagedserve
+    from pagedserve.kernels.cpu_packed import pack_int4_weight
+
+    int8_packed = [kernels.pack_int8_weight(q) for q, _ in int8]
+    g32_packed = [pack_int4_weight(q.qweight, q.scales, None) for q in g32]
     fns = {
         "float32": lambda i, x: F.linear(x, weights[i]),
         "int8": lambda i, x: ops.int8_linear(x, int8[i][0], int8[i][1], None),
@@ -79,12 +87,15 @@ def linears(model: str, rows_list: list[int], rounds: int) -> None:
         "int4_g32 per group": lambda i, x: _per_group(kernels, ops.int4_linear, x, g32[i].qweight, g32[i].scales),
         # what Int4Linear does above int4_kernel_max_rows: dequantize, then float32 F.linear
         "int4_g32 dequantize": lambda i, x: F.linear(x, dequantize4(g32[i])),
+        "int8 packed": lambda i, x: ops.packed_int8_linear(x, int8_packed[i], int8[i][1], shapes[i][0]),
+        "int4_g32 packed": lambda i, x: ops.packed_int4_linear(x, *g32_packed[i], shapes[i][0]),
     }
     bytes_ = {"float32": sum(w.numel() * 4 for w in weights),
               "int8": sum(q.numel() + s.numel() * 4 for q, s in int8),
               "int4_g32": sum(q.qweight.numel() + q.scales.numel() * 4 for q in g32),
               "int4_g128": sum(q.qweight.numel() + q.scales.numel() * 4 for q in g128)}
-    bytes_["int4_g32 per group"] = bytes_["int4_g32 dequantize"] = bytes_["int4_g32"]
+    bytes_["int4_g32 per group"] = bytes_["int4_g32 dequantize"] = bytes_["int4_g32 packed"] = bytes_["int4_g32"]
+    bytes_["int8 packed"] = bytes_["int8"]
     print(f"{len(shapes)} linear layers; kernels: int8 {kernels.int8_kernel()}, int4 {kernels.int4_kernel()}; "
           f"threads {torch.get_num_threads()}")
     print("weights MB: " + ", ".join(f"{k} {v / 1e6:.1f}" for k, v in bytes_.items()))
@@ -94,10 +105,11 @@ def linears(model: str, rows_list: list[int], rounds: int) -> None:
         ratios = [r["int8"] / r["int4_g32"] for r in per_round]
         print(f"M={rows:3d}: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in med.items())
               + f"; int4_g32 speed vs int8 {median(ratios):.2f}x (range {min(ratios):.2f}-{max(ratios):.2f})"
-              + f", vs float32 {med['float32'] / med['int4_g32']:.2f}x")
+              + f", vs float32 {med['float32'] / med['int4_g32']:.2f}x"
+              + f"; packed: int4_g32 vs int8 {median(r['int8 packed'] / r['int4_g32 packed'] for r in per_round):.2f}x")
 
 
-def decode(model: str, rounds: int, tokens: int, lm_head: bool = False) -> None:
+def decode(model: str, rounds: int, tokens: int, lm_head: bool = False, batches: tuple[int, ...] = (1,)) -> None:
     from pagedserve import LLM, SamplingParams
 
     def build(quantization, **kwargs):
@@ -108,23 +120,26 @@ def decode(model: str, rounds: int, tokens: int, lm_head: bool = False) -> None:
                                                 ("int4_g128", "int4_g128"))}
     # int4 without the fused step: the model's eager forward, as every int4 decode ran before it
     engines["int4 eager"] = build("int4", fused_decode_max_batch=0)
-    results: dict[str, list[float]] = {name: [] for name in engines}
-    for _ in range(rounds):
-        for name, llm in engines.items():
-            engine = llm.engine
-            engine.add_request(f"ab-{time.monotonic_ns()}", [1],
-                               SamplingParams(max_tokens=tokens + 1, temperature=0.0, ignore_eos=True))
-            engine.step()
-            started = time.perf_counter()
-            while engine.has_unfinished_requests():
-                engine.step()
-            results[name].append(tokens / (time.perf_counter() - started))
-    for name, r in results.items():
-        print(f"decode batch 1 {name}: {median(r):.1f} tok/s (range {min(r):.1f}-{max(r):.1f})")
-    ratios = [a / b for a, b in zip(results["int4"], results["int8"])]
-    print(f"int4 / int8: {median(ratios):.2f}x (range {min(ratios):.2f}-{max(ratios):.2f})")
-    ratios = [a / b for a, b in zip(results["int4"], results["int4 eager"])]
-    print(f"int4 fused / int4 eager: {median(ratios):.2f}x (range {min(ratios):.2f}-{max(ratios):.2f})")
+    for batch in batches:
+        results: dict[str, list[float]] = {name: [] for name in engines if batch == 1 or name != "int4 eager"}
+        for _ in range(rounds):
+            for name in results:
+                engine = engines[name].engine
+                for _ in range(batch):  # 1-token prompts of other tokens: no shared prefix
+                    engine.add_request(f"ab-{time.monotonic_ns()}", [1 + len(results) + _],
+                                       SamplingParams(max_tokens=tokens + 1, temperature=0.0, ignore_eos=True))
+                engine.step()  # the prefills
+                started = time.perf_counter()
+                while engine.has_unfinished_requests():
+                    engine.step()
+                results[name].append(batch * tokens / (time.perf_counter() - started))
+        for name, r in results.items():
+            print(f"decode batch {batch} {name}: {median(r):.1f} tok/s (range {min(r):.1f}-{max(r):.1f})")
+        ratios = [a / b for a, b in zip(results["int4"], results["int8"])]
+        print(f"batch {batch}: int4 / int8: {median(ratios):.2f}x (range {min(ratios):.2f}-{max(ratios):.2f})")
+        if batch == 1:
+            ratios = [a / b for a, b in zip(results["int4"], results["int4 eager"])]
+            print(f"int4 fused / int4 eager: {median(ratios):.2f}x (range {min(ratios):.2f}-{max(ratios):.2f})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,12 +151,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", default="1,16,64")
     parser.add_argument("--only", choices=["linears", "decode"], default=None)
     parser.add_argument("--quantize-lm-head", action="store_true", help="decode: the quantized engines' LM head too")
+    parser.add_argument("--batches", default="1", help="decode: the batch sizes, comma-separated")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.only in (None, "linears"):
         linears(args.model, [int(r) for r in args.rows.split(",")], args.rounds)
     if args.only in (None, "decode"):
-        decode(args.model, args.rounds, args.tokens, args.quantize_lm_head)
+        decode(args.model, args.rounds, args.tokens, args.quantize_lm_head,
+               tuple(int(b) for b in args.batches.split(",")))
     return 0
 
 

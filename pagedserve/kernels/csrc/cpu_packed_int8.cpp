@@ -285,7 +285,9 @@ void tile4_scalar(const Rows& rows, int64_t r0, const Int4Panels& w, float* c, i
 }
 
 #ifdef PSI_X86
-template <int MR, int NP>
+// ZP: the panels have zero points (else every zero point is 8: each block's sum starts at
+// -8·Σq, one broadcast per row, instead of a multiply per row and panel).
+template <int MR, int NP, bool ZP>
 PSI_VNNI void tile4_vnni(const Rows& rows, int64_t r0, const Int4Panels& w, float* c, int64_t ldc) {
   const __m512i low = _mm512_set1_epi8(0x0F);
   __m512 acc[MR][NP];
@@ -297,48 +299,46 @@ PSI_VNNI void tile4_vnni(const Rows& rows, int64_t r0, const Int4Panels& w, floa
   for (int64_t b = 0; b < rows.nb; ++b) {
     __m512i s[MR][NP];
 #pragma GCC unroll 8
-    for (int i = 0; i < MR; ++i)
+    for (int i = 0; i < MR; ++i) {
+      const __m512i start = ZP ? _mm512_setzero_si512() : _mm512_set1_epi32(rows.nc[(r0 + i) * rows.nb + b] / 16);
 #pragma GCC unroll 8
-      for (int p = 0; p < NP; ++p) s[i][p] = _mm512_setzero_si512();
+      for (int p = 0; p < NP; ++p) s[i][p] = start;  // nc / 16 = -8·Σq
+    }
     const uint8_t* wb = w.codes + b * (kPanelBlock / 2);
 #pragma GCC unroll 4
     for (int t = 0; t < kBlock / 8; ++t) {
-      __m512i lo[NP], hi[NP];
-#pragma GCC unroll 8
-      for (int p = 0; p < NP; ++p) {
-        _mm_prefetch(reinterpret_cast<const char*>(wb + p * w.stride + t * 64) + kPrefetchBytes, _MM_HINT_T0);
-        const __m512i v = _mm512_loadu_si512(wb + p * w.stride + t * 64);
-        lo[p] = _mm512_and_si512(v, low);
-        hi[p] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-      }
+      __m512i x0[MR], x1[MR];
 #pragma GCC unroll 8
       for (int i = 0; i < MR; ++i) {
         int32_t first, second;
         std::memcpy(&first, q + i * rows.kp + b * kBlock + t * 8, 4);
         std::memcpy(&second, q + i * rows.kp + b * kBlock + t * 8 + 4, 4);
-        const __m512i x0 = _mm512_set1_epi32(first), x1 = _mm512_set1_epi32(second);
+        x0[i] = _mm512_set1_epi32(first);
+        x1[i] = _mm512_set1_epi32(second);
+      }
 #pragma GCC unroll 8
-        for (int p = 0; p < NP; ++p) s[i][p] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(s[i][p], lo[p], x0), hi[p], x1);
+      for (int p = 0; p < NP; ++p) {
+        _mm_prefetch(reinterpret_cast<const char*>(wb + p * w.stride + t * 64) + kPrefetchBytes, _MM_HINT_T0);
+        const __m512i v = _mm512_loadu_si512(wb + p * w.stride + t * 64);
+        const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; ++i) s[i][p] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(s[i][p], lo, x0[i]), hi, x1[i]);
       }
     }
     const int64_t g = b / w.blocks_per_group;
-    __m512 sv[NP];
-    __m512i zv[NP];
 #pragma GCC unroll 8
     for (int p = 0; p < NP; ++p) {
       const int64_t at = (p * w.groups + g) * kPanel;
-      sv[p] = _mm512_loadu_ps(w.scales + at);
-      zv[p] = w.zeros ? _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.zeros + at)))
-                      : _mm512_set1_epi32(8);
-    }
+      const __m512 sv = _mm512_loadu_ps(w.scales + at);
+      __m512i zv = _mm512_setzero_si512();
+      if constexpr (ZP) zv = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.zeros + at)));
 #pragma GCC unroll 8
-    for (int i = 0; i < MR; ++i) {
-      const __m512i sum = _mm512_set1_epi32(rows.nc[(r0 + i) * rows.nb + b] / -128);
-      const __m512 dv = _mm512_set1_ps(rows.d[(r0 + i) * rows.nb + b]);
-#pragma GCC unroll 8
-      for (int p = 0; p < NP; ++p) {
-        const __m512i exact = _mm512_sub_epi32(s[i][p], _mm512_mullo_epi32(zv[p], sum));
-        acc[i][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_mul_ps(dv, sv[p]), acc[i][p]);
+      for (int i = 0; i < MR; ++i) {
+        __m512i exact = s[i][p];
+        if constexpr (ZP)
+          exact = _mm512_sub_epi32(exact, _mm512_mullo_epi32(zv, _mm512_set1_epi32(rows.nc[(r0 + i) * rows.nb + b] / -128)));
+        const __m512 dv = _mm512_set1_ps(rows.d[(r0 + i) * rows.nb + b]);
+        acc[i][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_mul_ps(dv, sv), acc[i][p]);
       }
     }
   }
@@ -350,7 +350,7 @@ PSI_VNNI void tile4_vnni(const Rows& rows, int64_t r0, const Int4Panels& w, floa
 
 // AVX2: `vpmaddubsw` of the codes (unsigned, at most 15) by q (signed): pairs of at most
 // 2·15·127 = 3810 in int16, never saturated; then `vpmaddwd` by ones into int32.
-template <int MR, int NP>
+template <int MR, int NP, bool ZP>
 PSI_AVX2 void tile4_avx2(const Rows& rows, int64_t r0, const Int4Panels& w, float* c, int64_t ldc) {
   const __m256i low = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
@@ -363,9 +363,11 @@ PSI_AVX2 void tile4_avx2(const Rows& rows, int64_t r0, const Int4Panels& w, floa
   for (int64_t b = 0; b < rows.nb; ++b) {
     __m256i s[MR][NP][2];
 #pragma GCC unroll 8
-    for (int i = 0; i < MR; ++i)
+    for (int i = 0; i < MR; ++i) {
+      const __m256i start = ZP ? _mm256_setzero_si256() : _mm256_set1_epi32(rows.nc[(r0 + i) * rows.nb + b] / 16);
 #pragma GCC unroll 8
-      for (int p = 0; p < NP; ++p) s[i][p][0] = s[i][p][1] = _mm256_setzero_si256();
+      for (int p = 0; p < NP; ++p) s[i][p][0] = s[i][p][1] = start;  // nc / 16 = -8·Σq
+    }
     const uint8_t* wb = w.codes + b * (kPanelBlock / 2);
 #pragma GCC unroll 4
     for (int t = 0; t < kBlock / 8; ++t) {
@@ -403,13 +405,15 @@ PSI_AVX2 void tile4_avx2(const Rows& rows, int64_t r0, const Int4Panels& w, floa
 #pragma GCC unroll 2
       for (int h = 0; h < 2; ++h) {
         const __m256 sv = _mm256_loadu_ps(w.scales + at + 8 * h);
-        const __m256i zv = w.zeros ? _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.zeros + at + 8 * h)))
-                                   : _mm256_set1_epi32(8);
+        __m256i zv = _mm256_setzero_si256();
+        if constexpr (ZP)
+          zv = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.zeros + at + 8 * h)));
 #pragma GCC unroll 8
         for (int i = 0; i < MR; ++i) {
-          const __m256i sum = _mm256_set1_epi32(rows.nc[(r0 + i) * rows.nb + b] / -128);
           const __m256 dv = _mm256_set1_ps(rows.d[(r0 + i) * rows.nb + b]);
-          const __m256i exact = _mm256_sub_epi32(s[i][p][h], _mm256_mullo_epi32(zv, sum));
+          __m256i exact = s[i][p][h];
+          if constexpr (ZP)
+            exact = _mm256_sub_epi32(exact, _mm256_mullo_epi32(zv, _mm256_set1_epi32(rows.nc[(r0 + i) * rows.nb + b] / -128)));
           acc[i][p][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), _mm256_mul_ps(dv, sv), acc[i][p][h]);
         }
       }
@@ -447,18 +451,19 @@ struct Int8Tiles {
   }
 };
 
+template <bool ZP>
 struct Int4Tiles {
   using Fn = void (*)(const Rows&, int64_t, const Int4Panels&, float*, int64_t);
   static constexpr int max_rows(Isa isa) { return isa == Isa::kAvx2 ? 2 : 4; }
   static constexpr int max_panels(Isa isa, int mr) {
-    if (isa == Isa::kAvx512Vnni) return mr == 1 ? 6 : mr == 2 ? 4 : mr == 3 ? 3 : 2;
+    if (isa == Isa::kAvx512Vnni) return mr == 1 ? 8 : mr == 2 ? 4 : mr == 3 ? 3 : 2;
     return 1;
   }
   template <Isa I, int MR, int NP>
   static Fn fn() {
 #ifdef PSI_X86
-    if constexpr (I == Isa::kAvx512Vnni) return &tile4_vnni<MR, NP>;
-    if constexpr (I == Isa::kAvx2) return &tile4_avx2<MR, NP>;
+    if constexpr (I == Isa::kAvx512Vnni) return &tile4_vnni<MR, NP, ZP>;
+    if constexpr (I == Isa::kAvx2) return &tile4_avx2<MR, NP, ZP>;
 #endif
     return &tile4_scalar<MR, NP>;
   }
@@ -512,6 +517,15 @@ template <class Tile, class Finish>
 void run_tiles(const Rows& rows, int64_t m, int64_t out, int tm, int tp, const Tile& tile, const Finish& finish,
                float* y) {
   const int64_t panels = (out + kPanel - 1) / kPanel;
+  // Fewer panels a tile where that splits the tiles evenly across the threads: 36 panels (576
+  // outputs) in tiles of 8 are 5 tiles, 3 on one thread and 2 on the other; in tiles of 6, 3
+  // and 3. The tile width changes no bits (each output is its own chain).
+  const int64_t threads = std::max(1, at::get_num_threads());
+  const int64_t even = (panels + tp - 1) / tp;
+  if (even % threads != 0 && even < 4 * threads) {
+    const int64_t want = (even + threads - 1) / threads * threads;
+    tp = static_cast<int>(std::max<int64_t>(1, (panels + want - 1) / want));
+  }
   const int64_t block_rows = std::max<int64_t>(tm, kBlockBytes / rows.kp / tm * tm);
   const int64_t tiles = (panels + tp - 1) / tp;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
@@ -585,15 +599,15 @@ void linear_rows_packed_int4(const float* x, int64_t m, int64_t in, int64_t kp, 
   if (m <= 0) return;
   const Rows rows = quantize(x, m, in, kp);
   const Isa isa = active_isa();
-  const int tm = static_cast<int>(std::min<int64_t>(m, Int4Tiles::max_rows(isa)));
-  const int tp = Int4Tiles::max_panels(isa, tm);
   const int64_t stride = rows.kp * kPanel / 2;
+  const int tm = static_cast<int>(std::min<int64_t>(m, Int4Tiles<true>::max_rows(isa)));
+  const int tp = Int4Tiles<true>::max_panels(isa, tm);
   run_tiles(
       rows, m, out, tm, tp,
       [&](int mr, int64_t r, int64_t p0, int np, float* c, int64_t ldc) {
         const Int4Panels w{codes + p0 * stride, scales + p0 * groups * kPanel,
                            zeros ? zeros + p0 * groups * kPanel : nullptr, stride, groups, rows.nb / groups};
-        pick<Int4Tiles>(isa, mr, np)(rows, r, w, c, ldc);
+        (zeros ? pick<Int4Tiles<true>>(isa, mr, np) : pick<Int4Tiles<false>>(isa, mr, np))(rows, r, w, c, ldc);
       },
       [&](int64_t o, float acc) { return bias ? acc + bias[o] : acc; }, y);
 }
