@@ -18,7 +18,9 @@ def quantize_activations_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     padded = torch.zeros(m, blocks * ACT_BLOCK)
     padded[:, :k] = x
     amax = padded.view(m, blocks, ACT_BLOCK).abs().amax(dim=2, keepdim=True)
-    inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    # a tensor over a tensor: one correctly rounded division, as the kernels' 127.f / amax (a
+    # Python number over a tensor is computed as reciprocal(amax) * 127, one ulp off at times)
+    inverse = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
     q = torch.round(padded.view(m, blocks, ACT_BLOCK) * inverse)
     d = (amax / 127.0).expand(m, blocks, ACT_BLOCK)
     return q.reshape(m, -1)[:, :k], d.reshape(m, -1)[:, :k]

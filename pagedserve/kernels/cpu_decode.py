@@ -48,6 +48,10 @@ def fused_decode_supported(weights: DecoderWeights | None, dtype: torch.dtype, d
         return f"the fused decode step reads a float32 or int8 KV cache, not {kv_cache_dtype}"
     if cpu_kernels() is None:
         return "the CPU kernels could not be built (see the log)"
+    packed_int4 = any(s is not None and s.dim() == 3 for w in weights.layers
+                      for s in (w.qkv_scale, w.o_proj_scale, w.gate_up_scale, w.down_scale))
+    if packed_int4 and weights.intermediate_size is None:
+        return "packed int4 weights need DecoderWeights.intermediate_size (the model plugin gives none)"
     return None
 
 
@@ -98,8 +102,9 @@ class FusedDecoder:
         self.vocab_size = int(weights.embed.shape[0]) if weights.lm_head.dim() >= 3 else int(weights.lm_head.shape[0])
         #: the loader packed the float32 linears (kernels/cpu_packed.py): the products run packed
         self.packed = weights.layers[0].qkv.dim() == 3
-        if self.packed and weights.lm_head.dim() == 2 and weights.lm_head.dtype == torch.float32:
-            # a tied head (the embedding, which the lookup needs unpacked): a packed copy of its own
+        if (self.packed or packed_quantized) and weights.lm_head.dim() == 2 and weights.lm_head.dtype == torch.float32:
+            # a tied float head (the embedding, which the lookup needs unpacked; the other linears
+            # packed, float32 or int8/int4): a packed copy of its own, for every row count
             self.lm_head = kernels.pack_linear_weight(weights.lm_head)
         self.lm_head_scale = weights.lm_head_scale
         self.lm_head_zeros = weights.lm_head_zeros

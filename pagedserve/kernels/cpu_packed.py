@@ -77,13 +77,18 @@ def unpack_int8_weight(packed: torch.Tensor, out_features: int, in_features: int
     return (rows[:out_features, :in_features].to(torch.int16) - 128).to(torch.int8)
 
 
+def _check_width(x: torch.Tensor, in_features: int) -> None:
+    if x.shape[-1] != in_features:
+        raise ValueError(f"a packed linear of {in_features} inputs got rows of {x.shape[-1]}")
+
+
 def is_int8_linear(module: nn.Module) -> bool:
     """Whether `module` is a quantized linear of the int8 contract (contracts/quantization.py:
     int8 `weight` [out, in], float32 `weight_scale` [out]) on CPU."""
     weight, scale = getattr(module, "weight", None), getattr(module, "weight_scale", None)
     return (isinstance(weight, torch.Tensor) and isinstance(scale, torch.Tensor) and weight.dtype == torch.int8
             and weight.dim() == 2 and weight.device.type == "cpu" and scale.dtype == torch.float32
-            and scale.numel() == weight.shape[0] and not hasattr(module, "qweight"))
+            and scale.dim() == 1 and scale.numel() == weight.shape[0] and not hasattr(module, "qweight"))
 
 
 class PackedInt8Linear(nn.Module):
@@ -102,6 +107,8 @@ class PackedInt8Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # the packed depth is rounded up to 32 inputs: the kernel cannot tell a narrower x itself
+        _check_width(x, self.in_features)
         return torch.ops.pagedserve.packed_int8_linear(x, self.packed, self.weight_scale, self.out_features, self.bias)
 
     @property
@@ -164,6 +171,7 @@ class PackedInt4Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _check_width(x, self.in_features)  # the packed depth is rounded up to whole groups
         return torch.ops.pagedserve.packed_int4_linear(x, self.packed, self.scales, self.zeros, self.out_features,
                                                        self.bias)
 

@@ -242,5 +242,24 @@ def test_the_packed_module_refuses_a_wrong_depth(kernels):
     packed = PackedInt4Linear(module)
     x = torch.randn(4, 200)
     assert torch.allclose(packed(x), module(x), atol=1e-4)
-    with pytest.raises(RuntimeError, match="packed int4 weight"):
-        packed(torch.randn(4, 100))
+    with pytest.raises(ValueError, match="a packed linear of 200 inputs got rows of 199"):
+        packed(torch.randn(4, 199))  # the same padded depth (256): only the module can tell
+    with pytest.raises(RuntimeError, match="packed int4 weight"):  # the operator itself: past the padded depth
+        torch.ops.pagedserve.packed_int4_linear(torch.randn(4, 300), packed.packed, packed.scales, packed.zeros, 37)
+
+
+def test_packed_int4_weights_without_the_mlp_width_do_not_run_fused(tiny_checkpoint):
+    """A model plugin that gives no `intermediate_size` keeps packed int4 models out of the fused
+    step (the padded panels do not tell the width), with the reason; with it they run fused."""
+    import dataclasses
+
+    from pagedserve import LLM
+    from pagedserve.kernels.cpu_decode import fused_decode_supported
+
+    runner = LLM(str(tiny_checkpoint("llama-gqa")), kv_cache_memory=1 << 22, quantization="int4").engine.runner
+    weights = runner.model.decoder_weights()
+    assert weights.intermediate_size == 128 and weights.layers[0].down_scale.dim() == 3
+    assert fused_decode_supported(weights, torch.float32, torch.device("cpu")) is None
+    reason = fused_decode_supported(dataclasses.replace(weights, intermediate_size=None), torch.float32,
+                                    torch.device("cpu"))
+    assert reason == "packed int4 weights need DecoderWeights.intermediate_size (the model plugin gives none)"
