@@ -48,8 +48,7 @@ def fused_decode_supported(weights: DecoderWeights | None, dtype: torch.dtype, d
         return f"the fused decode step reads a float32 or int8 KV cache, not {kv_cache_dtype}"
     if cpu_kernels() is None:
         return "the CPU kernels could not be built (see the log)"
-    packed_int4 = any(s is not None and s.dim() == 3 for w in weights.layers
-                      for s in (w.qkv_scale, w.o_proj_scale, w.gate_up_scale, w.down_scale))
+    packed_int4 = any(s is not None and s.dim() == 3 for w in weights.layers for s in _scales(w))
     if packed_int4 and weights.intermediate_size is None:
         return "packed int4 weights need DecoderWeights.intermediate_size (the model plugin gives none)"
     return None

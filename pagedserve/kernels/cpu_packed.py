@@ -188,14 +188,19 @@ def pack_linears(model: nn.Module) -> int:
     (kernels/cpu_attention.cpu_kernels)."""
     # the places first, by name, so that no list holds the replaced linears: each one's float
     # weight is freed as soon as its packed copy takes its place (peak: one layer's weight more)
-    places = [(parent_name, name) for parent_name, parent in model.named_modules()
+    places = [(parent_name, name, kind) for parent_name, parent in model.named_modules()
               for name, child in parent.named_children()
-              if (type(child) is nn.Linear and child.weight.dtype == torch.float32
-                  and child.weight.device.type == "cpu") or is_int8_linear(child) or is_int4_linear(child)]
-    for parent_name, name in places:
+              if (kind := _packed_kind(child)) is not None]
+    for parent_name, name, kind in places:
         parent = model.get_submodule(parent_name)
-        child = getattr(parent, name)
-        packed = (PackedInt8Linear(child) if is_int8_linear(child) else PackedInt4Linear(child)
-                  if is_int4_linear(child) else PackedLinear(child))
-        setattr(parent, name, packed)
+        setattr(parent, name, kind(getattr(parent, name)))
     return len(places)
+
+
+def _packed_kind(module: nn.Module) -> type[nn.Module] | None:
+    """The packed module that replaces `module`, or None where it stays as it is."""
+    if type(module) is nn.Linear and module.weight.dtype == torch.float32 and module.weight.device.type == "cpu":
+        return PackedLinear
+    if is_int8_linear(module):
+        return PackedInt8Linear
+    return PackedInt4Linear if is_int4_linear(module) else None
