@@ -8,10 +8,12 @@
 #   bash benchmarks/gpu_all.sh kernels e2e twins       # some of them, in this order
 #   GPU_DEADLINE_S=300 bash benchmarks/gpu_all.sh      # stop starting steps past 300 s
 #
-# Steps: kernels (benchmarks/gpu_kernels.py), e2e (benchmarks/gpu_e2e.py), twins (the
-# `gpu` tests of the Triton int8 / int4 / quantized-KV files: each file's tests compiled on
-# the GPU), checks (benchmarks/gpu_checks.py), serve (`pagedserve serve` with one worker and
-# a random-weight model, then `pagedserve bench serve`).
+# Steps: kernels (benchmarks/gpu_kernels.py), gemm (its GEMM cases only), w4a16 (its w4a16
+# cases only), calibration (gpu_checks.py's int4 calibration), e2e (benchmarks/gpu_e2e.py),
+# twins (the `gpu` tests of the Triton int8 / int4 / quantized-KV files: each file's tests
+# compiled on the GPU; twin-int4: the int4 file's only), checks (benchmarks/gpu_checks.py),
+# quant (its int8 and int4 variants only), serve (`pagedserve serve` with one worker and a
+# random-weight model, then `pagedserve bench serve`).
 #
 # A machine without this project's dependencies: put wheels in .whl/ (installed into
 # /tmp/site) and, for `serve`, a redis-server in .gpu/ (.gpu/redis-server.sh).
@@ -64,9 +66,15 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 for step in "${STEPS[@]}"; do
     case $step in
     kernels) run kernels 120 python3 benchmarks/gpu_kernels.py ;;
+    gemm) run gemm 120 python3 benchmarks/gpu_kernels.py --only gemm ;;
+    w4a16) run w4a16 200 python3 benchmarks/gpu_kernels.py --only w4a16 ;;
+    calibration) run calibration 90 python3 benchmarks/gpu_checks.py --only calibration ;;
+    quant) run quant 240 python3 benchmarks/gpu_checks.py --only quantization --json "$OUT/quant.json" \
+        --variants "int8,int4,int4 g128" ;;
     e2e) run e2e 240 python3 benchmarks/gpu_e2e.py --json "$OUT/e2e.json" ;;
     twins) run twins 150 python3 -m pytest -q -p no:cacheprovider -m gpu -n 3 tests/kernels/test_triton_int8.py \
         tests/kernels/test_triton_int4.py tests/kernels/test_triton_quant_kv.py ;;
+    twin-int4) run twin-int4 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_triton_int4.py ;;
     checks) run checks 200 python3 benchmarks/gpu_checks.py --json "$OUT/checks.json" ;;
     serve) run serve 150 bash benchmarks/gpu_serve.sh "$OUT/serve.json" ;;
     *) note "unknown step $step" ;;

@@ -1,5 +1,6 @@
 """The GPU checks and figures that gpu_e2e.py does not take: batch invariance with CUDA
-graphs, int8 weights and an fp8 KV cache against bf16, and ngram speculation at batch 1.
+graphs, int8 / int4 weights and an fp8 KV cache against bf16, int4 calibration on the GPU,
+and ngram speculation at batch 1.
 
     python benchmarks/gpu_checks.py            # on an NVIDIA GPU (issue #36, items 3 and 4)
     python benchmarks/gpu_checks.py --smoke    # a tiny model; runs anywhere (TRITON_INTERPRET=1 on CPU)
@@ -12,8 +13,9 @@ and ngram's acceptance is whatever a random model's own repetitions give it.
 1. Batch invariance: one greedy and one seeded (temperature 0.8) request, alone, then inside
    a batch of 40 others of other lengths, decode steps from CUDA graphs: ids must be equal.
 2. Quantization, a Llama-3.2-1B-shaped model: batch-1 decode step and batch-64 output tok/s
-   for bf16, `quantization="int8"` and `kv_cache_dtype="fp8_e4m3"`, and the share of greedy
-   tokens equal to bf16's (position by position, 8 requests).
+   for bf16, `quantization="int8"`, `kv_cache_dtype="fp8_e4m3"` and int4 at group 32 and 128
+   (the w4a16 GEMM), and the share of greedy tokens equal to bf16's (position by position,
+   8 requests). Then int4 calibration on the GPU: its codes against the CPU's (`calibration`).
 3. ngram speculation at batch 1: prompts that hold a passage twice, 128 output tokens;
    speed-up against no speculation, acceptance, greedy ids identical.
 """
@@ -118,10 +120,12 @@ def greedy_ids(model_dir: Path, device, vocab: int, num: int, prompt_len: int, o
     return [o.outputs[0].token_ids for o in outs]
 
 
-def quantization(model_dir: Path, device, vocab: int, smoke: bool) -> dict:
+def quantization(model_dir: Path, device, vocab: int, smoke: bool, only: list[str] | None = None) -> dict:
     batches, prompt_len, out_len = ([1, 2], 8, 4) if smoke else ([1, 64], 128, 128)
     kv_bytes = 1 << 24 if smoke else 8 << 30
-    variants = {"bf16": {}, "int8": {"quantization": "int8"}, "fp8 KV": {"kv_cache_dtype": "fp8_e4m3"}}
+    variants = {"bf16": {}, "int8": {"quantization": "int8"}, "fp8 KV": {"kv_cache_dtype": "fp8_e4m3"},
+                "int4": {"quantization": "int4"}, "int4 g128": {"quantization": "int4_g128"}}
+    variants = {k: v for k, v in variants.items() if k == "bf16" or not only or k in only}
     figures: dict = {}
     reference = greedy_ids(model_dir, device, vocab, 8, prompt_len, 32 if not smoke else 4)
     for name, options in variants.items():
@@ -137,11 +141,66 @@ def quantization(model_dir: Path, device, vocab: int, smoke: bool) -> dict:
         print(f"{name:8} batch-{batches[0]} step {b1['decode_step_ms']:.3f} ms, batch-{batches[-1]} "
               f"{bn['output_tok_s']:.0f} tok/s; greedy tokens equal to bf16: {equal}/{total}")
     base = figures["bf16"]["batches"]
-    for name in ("int8", "fp8 KV"):
+    for name in list(figures)[1:]:
         mine = figures[name]["batches"]
         print(f"{name:8} vs bf16: batch-{batches[0]} step {base[batches[0]]['decode_step_ms'] / mine[batches[0]]['decode_step_ms']:.2f}x "
               f"faster, batch-{batches[-1]} tok/s {mine[batches[-1]]['output_tok_s'] / base[batches[-1]]['output_tok_s']:.2f}x")
     return figures
+
+
+def calibration(workdir: Path, device, smoke: bool) -> tuple[bool, dict]:
+    """int4 calibration on the GPU.
+    1. The quantization math on CUDA tensors against the same on the CPU, from the same
+       inputs: imatrix's weighted scale search (`quantize` with an importance vector) of a
+       4096 x 4096 weight, and GPTQ (`gptq_quantize`) of a 1024 x 1024 one from one Hessian.
+       The share of equal codes and each device's seconds. Checked: >= 99% equal (a float
+       rounding in the search may move a tie to its neighbour).
+    2. An LLM on the GPU with `quantization="int4", quantization_calibration="imatrix"`: the
+       calibration passes run on CUDA tensors. Calibration needs a checkpoint's own weights,
+       so a random tiny-Llama checkpoint (tests/tiny_models.py) stands in for the dummy
+       model; checked that it loads and generates, with its load seconds."""
+    from pagedserve import SamplingParams
+    from pagedserve.plugins.int4_gptq import gptq_quantize
+    from pagedserve.plugins.int4_quantization import quantize, unpack_codes
+
+    from tiny_models import VOCAB_SIZE, build_checkpoint
+
+    g = torch.Generator().manual_seed(3)
+    n = 256 if smoke else 4096
+    weight, importance = torch.randn(n, n, generator=g) * 0.02, torch.rand(n, generator=g) * 4 + 0.1
+    m = 128 if smoke else 1024
+    x = torch.randn(4 * m, m, generator=g) * (torch.rand(m, generator=g) * 2)  # inputs of unequal scales
+    small, hessian = torch.randn(m, m, generator=g) * 0.02, x.t() @ x
+    codes, seconds = {}, {}
+    for where in (torch.device("cpu"), device):
+        start = time.perf_counter()
+        w = quantize(weight.to(where), 32, True, importance=importance.to(where))
+        _sync(where)
+        seconds[f"imatrix search {where.type}"] = time.perf_counter() - start
+        start = time.perf_counter()
+        gptq_codes, _, _ = gptq_quantize(small.to(where), hessian.to(where), 32, True)
+        _sync(where)
+        seconds[f"gptq {where.type}"] = time.perf_counter() - start
+        codes[where.type] = (unpack_codes(w.qweight.cpu()), gptq_codes.cpu())
+    cpu, gpu = codes["cpu"], codes[device.type]
+    figures: dict = {"imatrix_codes_equal": (cpu[0] == gpu[0]).float().mean().item(),
+                     "gptq_codes_equal": (cpu[1] == gpu[1]).float().mean().item(), "seconds": seconds}
+
+    model_dir = build_checkpoint("llama", workdir / "calibration-llama")
+    start = time.perf_counter()
+    llm = _llm(model_dir, device, False, dtype="float32", max_num_seqs=4, kv_cache_memory=1 << 24,
+               quantization="int4", quantization_calibration="imatrix", quantization_calibration_tokens=1024)
+    figures["llm_load_seconds"] = time.perf_counter() - start
+    outs = llm.generate(_prompts(4, 16, VOCAB_SIZE), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    figures["llm_generated"] = all(len(o.outputs[0].token_ids) == 8 for o in outs)
+    del llm
+    _free(device)
+    print("calibration: codes equal on {dev} and CPU: imatrix search {imatrix_codes_equal:.4%}, GPTQ "
+          "{gptq_codes_equal:.4%}; an LLM calibrated on {dev} loaded in {llm_load_seconds:.1f} s and generated: "
+          "{llm_generated}; seconds ".format(dev=device.type, **figures)
+          + ", ".join(f"{k} {v:.2f}" for k, v in seconds.items()))
+    ok = figures["imatrix_codes_equal"] >= 0.99 and figures["gptq_codes_equal"] >= 0.99 and figures["llm_generated"]
+    return ok, figures
 
 
 def ngram(model_dir: Path, device, vocab: int, smoke: bool) -> tuple[bool, dict]:
@@ -182,7 +241,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="a tiny model, to check the script itself")
     parser.add_argument("--json", help="also write the figures here")
-    parser.add_argument("--only", choices=["invariance", "quantization", "ngram"], action="append")
+    parser.add_argument("--only", choices=["invariance", "quantization", "calibration", "ngram"], action="append")
+    parser.add_argument("--variants", help="the quantization variants beside bf16, comma-separated "
+                        "(int8, fp8 KV, int4, int4 g128); default all")
     args = parser.parse_args()
     picked = pick_device(args.smoke)
     if picked is None:
@@ -190,7 +251,7 @@ def main() -> int:
     device, name = picked
     print(f"device: {name}; torch {torch.__version__}")
     shape = TINY if args.smoke else LLAMA32_1B
-    parts = args.only or ["invariance", "quantization", "ngram"]
+    parts = args.only or ["invariance", "quantization", "calibration", "ngram"]
     ok, figures = True, {"device": name}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = _model_dir(shape, Path(tmp))
@@ -198,7 +259,11 @@ def main() -> int:
             invariance_probes(device)
             ok &= batch_invariance(model_dir, device, shape["vocab_size"], 40, 8 if args.smoke else 48)
         if "quantization" in parts:
-            figures["quantization"] = quantization(model_dir, device, shape["vocab_size"], args.smoke)
+            figures["quantization"] = quantization(model_dir, device, shape["vocab_size"], args.smoke,
+                                                   args.variants.split(",") if args.variants else None)
+        if "calibration" in parts:
+            same, figures["calibration"] = calibration(Path(tmp), device, args.smoke)
+            ok &= same
         if "ngram" in parts:
             same, figures["ngram"] = ngram(model_dir, device, shape["vocab_size"], args.smoke)
             ok &= same
