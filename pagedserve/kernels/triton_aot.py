@@ -345,6 +345,8 @@ def engine_launches(dtypes=(torch.bfloat16, torch.float16, torch.float32), block
                             triton_int4.w4a16_linear(x, qweight, scales, zeros, None, group)
                         triton_int4.w4a16_linear(torch.empty(1, hidden, dtype=dtype), qweight, scales, zeros, None,
                                                  group, split_k=GEMM_SPLIT_K)
+                        # a prefill's one pass to the float weight (above DEQUANTIZE_ABOVE_ROWS rows)
+                        triton_int4.w4_dequantize(qweight, scales, zeros, group, hidden, dtype)
                     kind = "sym" if zeros is None else "asym"
                     add(f"{_TYPE_NAMES[dtype]} {name} w4a16 g{group} {kind} M={'/'.join(map(str, GEMM_ROWS))}",
                         launches)

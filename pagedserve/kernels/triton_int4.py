@@ -20,17 +20,18 @@ float32 partials in a fixed order.
 
 Batch invariance. A row's bits depend on the walk over K, not on the other rows: BLOCK_K is
 fixed by x's dtype and the group (`block_k_for`), never by M, so in the interpreter every
-row is the same whatever M is, for a given split count. The split count does depend on M
-(`split_k_for` counts the output tiles): it is the same for every M up to 32 (one row tile
-of 16 or 32 rows, BLOCK_N 64 either way), and may change from M = 33 on (two row tiles) and
-is 1 above 64; a row computed with another split count is summed in another order and may
-differ in its last bits. So with the default split count a decode step's rows (M <= 32) do
-not depend on the batch, and a prefill's may differ from them. Compiled, the 16- and 32-row
-tiles should run the same mma instruction sequence for each row, but the tensor cores'
-rounding is not the interpreter's, and the 64-row tile of M > 64 may use sm_90's wgmma,
-whose rounding inside an instruction need not match mma's. The tests check rows for
-M = 1..17 bitwise, with the default split count, 1 and 3, in the interpreter (and compiled
-in their `gpu` twin, which has not run on a GPU yet).
+row is the same whatever M is, for a given split count. The split count (`split_k_for`)
+depends on K alone for every M up to 16, is capped at 4 from M = 17 to 64 (the same count
+there wherever K <= 4,096 with the 128-wide steps of group 128), and is 1 above 64; a row
+computed with another split count is summed in another order and may differ in its last
+bits. So a decode step's rows (M <= 16) do not depend on the batch, and a prefill's may
+differ from them. Compiled, the 16-row tile and the 64-row tile of M > 16 need not round
+alike inside the tensor cores (sm_90 may use wgmma for the larger one). The tests check rows
+for M = 1..17 bitwise, with the default split count, 1 and 3, in the interpreter, and
+compiled in their `gpu` twin (passed on an H100 before the tiles were retuned).
+
+Above DEQUANTIZE_ABOVE_ROWS rows the registered operator does not run this GEMM: it
+dequantizes the weight in one pass (`w4_dequantize`) and multiplies with torch's matmul.
 
 `register_op()` makes the kernel `torch.ops.pagedserve.w4a16_linear`, which `Int4Linear`
 calls on CUDA (the worker registers it when it runs the Triton kernels). On CPU it runs
@@ -120,6 +121,31 @@ if triton is not None:
         tl.store(y_ptr + row * stride_ym + rn, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
+    @triton.jit
+    def _w4_dequantize_kernel(q_ptr, scale_ptr, zero_ptr, w_ptr, N, K, half, GROUP: tl.constexpr,
+                              HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
+        # w [N, K] = (q - z) · s in w's dtype, from BLOCK_B bytes (2 · BLOCK_B inputs) of BLOCK_N
+        # rows: the float32 product rounded once, as dequantize_ref(...).to(dtype) does
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rb = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
+        n_ok = rn < N
+        lo = (rb // 16) * 32 + rb % 16  # byte rb's low-nibble input; its high nibble's is lo + 16
+        rows = rn.to(tl.int64)[:, None]
+        codes = tl.load(q_ptr + rows * half + rb[None, :], mask=n_ok[:, None] & (rb < half)[None, :], other=0)
+        groups = rows * (half * 2 // GROUP) + (lo // GROUP)[None, :]  # a 32-input block lies in one group
+        ok = n_ok[:, None] & (lo < K)[None, :]
+        scale = tl.load(scale_ptr + groups, mask=ok, other=0.0)
+        if HAS_ZERO:
+            zero = tl.load(zero_ptr + groups, mask=ok, other=0).to(tl.int32)
+        else:
+            zero = tl.full([BLOCK_N, BLOCK_B], 8, tl.int32)
+        low = ((codes & 15).to(tl.int32) - zero).to(tl.float32) * scale
+        high = ((codes >> 4).to(tl.int32) - zero).to(tl.float32) * scale
+        out = w_ptr + rows * K
+        tl.store(out + lo[None, :], low.to(w_ptr.dtype.element_ty), mask=ok)
+        tl.store(out + (lo + 16)[None, :], high.to(w_ptr.dtype.element_ty), mask=n_ok[:, None] & (lo + 16 < K)[None, :])
+
+
 def dequantize_ref(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int,
                    in_features: int) -> torch.Tensor:
     """The float32 weight [N, in_features] of the int4 layout (plugins/int4_quantization.py's
@@ -153,37 +179,50 @@ def block_k_for(group_size: int, dtype: torch.dtype = torch.bfloat16) -> int:
 
 def tiles_for(m: int, dtype: torch.dtype = torch.bfloat16) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) for M rows of x. tl.dot wants 16 rows at least, so a
-    decode (M <= 16) takes one 16-row tile; up to 64 rows 32-row tiles, both 64 columns wide
-    (the same tile count, so the same split count, for every M up to 32); above 64 rows,
-    64 × 128 tiles that reuse each unpacked weight tile across more rows (64 × 64 in
-    float32). They compile without spilled registers for sm_80 and sm_90 (`python -m
-    pagedserve.kernels.triton_aot`); not tuned on a GPU yet."""
+    decode (M <= 16) takes one 16-row tile, 64 columns wide; above that, in float16 and
+    bfloat16, 64 × 64 tiles with 4 warps: on an H100 (benchmarks/gpu_kernels.py's sweep,
+    Llama-3-8B's projections in group 128, CUDA-graph times) they beat the 32 × 64 tiles at
+    M = 64 by 1.16-1.26× and the 64 × 128 tiles of 8 warps at M = 256 by 1.38-1.92×; 128 × 64
+    was within 15% of them there. Compiled for sm_80 with 128-wide K steps (group 128) this
+    tile spills a few registers (8-112 bytes of stack; 8 warps spill too), and no A100 has
+    timed it. float32 keeps the tiles the AOT check compiled for it, not measured on a GPU:
+    32 × 64 up to 64 rows, then 64 × 64 with 8 warps."""
     if m <= 16:
         return 16, 64, 4
-    if m <= 64:
-        return 32, 64, 4
-    return (64, 64, 8) if dtype == torch.float32 else (64, 128, 8)
+    if dtype == torch.float32:
+        return (32, 64, 4) if m <= 64 else (64, 64, 8)
+    return 64, 64, 4
+
+
+#: K steps a program walks between K splits: on an H100 a decode step's GEMM in group 128
+#: (128-wide steps) was fastest with about 8 steps, 1,024 inputs, a program on every
+#: Llama-3-8B projection (4 splits of K = 4096, 14-16 of K = 14336), whatever the output
+#: tiles' count (64 for o_proj, 448 for gate_up). Counting steps rather than inputs keeps
+#: group 32's 32-wide steps at as many splits as the tile-count rule before it gave them.
+STEPS_PER_SPLIT = 8
 
 
 def split_k_for(m: int, n: int, k: int, group_size: int, device: torch.device,
                 dtype: torch.dtype = torch.bfloat16) -> int:
-    """K splits for a GEMM whose output tiles alone would not give every SM two programs (a
-    decode step: Llama-3-8B's o_proj at M = 1 has 64 tiles of 64 columns for 132 SMs). Each
-    split keeps at least 4 K steps. One split off CUDA (the interpreter), and from M > 64."""
+    """K splits for a decode step's GEMM (M <= 64): about STEPS_PER_SPLIT K steps a program,
+    at most 16 splits (4 above 16 rows, the most the sweep measured there). It depends on K
+    and the step alone up to 16 rows, so a row is summed in the same order for every batch of
+    a decode bucket. One split off CUDA (the interpreter) and from M > 64. `n` is kept for
+    the callers; the count does not depend on it."""
     if device.type != "cuda" or m > 64:
         return 1
-    block_m, block_n, _ = tiles_for(m, dtype)
-    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    want = 2 * torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(triton.cdiv(want, tiles), triton.cdiv(k, block_k_for(group_size, dtype)) // 4, 16))
+    steps = triton.cdiv(k, block_k_for(group_size, dtype))
+    return max(1, min(triton.cdiv(steps, STEPS_PER_SPLIT), 16 if m <= 16 else 4))
 
 
 def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None = None,
-                 bias: torch.Tensor | None = None, group_size: int = 32, split_k: int | None = None) -> torch.Tensor:
+                 bias: torch.Tensor | None = None, group_size: int = 32, split_k: int | None = None,
+                 tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
     """y [..., N] = x [..., K] · dequantize(qweight, scales, zeros)ᵀ (+ bias [N]), in x's
     dtype (float16, bfloat16 or float32); the layout is `Int4Weights`' (module docstring),
     zeros None: symmetric. `split_k` None: `split_k_for`; above 1 the programs sum float32
-    partials of K ranges, which a second kernel adds in a fixed order."""
+    partials of K ranges, which a second kernel adds in a fixed order. `tiles` (BLOCK_M,
+    BLOCK_N, num_warps) None: `tiles_for`; given, for tuning (benchmarks/gpu_kernels.py)."""
     triton_ops._need_triton()
     assert qweight.dtype == torch.uint8 and qweight.dim() == 2, "qweight: uint8 [out, padded_in / 2]"
     assert x.dtype in (torch.float16, torch.bfloat16, torch.float32), f"w4a16 takes float activations, not {x.dtype}"
@@ -201,7 +240,7 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y.reshape(*shape[:-1], n)
-    block_m, block_n, warps = tiles_for(m, x.dtype)
+    block_m, block_n, warps = tiles or tiles_for(m, x.dtype)
     block_k = block_k_for(group_size, x.dtype)
     splits = split_k or split_k_for(m, n, k, group_size, x.device, x.dtype)
     k_per_split = triton.cdiv(triton.cdiv(k, block_k), splits) * block_k
@@ -226,8 +265,33 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     return y.reshape(*shape[:-1], n)
 
 
+def w4_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int,
+                  in_features: int, dtype: torch.dtype) -> torch.Tensor:
+    """The weight [N, in_features] in `dtype`, (q - z) · s rounded once from float32: the
+    same values as dequantize_ref(...).to(dtype), in one pass over the packed bytes."""
+    triton_ops._need_triton()
+    n, half = qweight.shape
+    assert scales.shape == (n, 2 * half // group_size) and in_features <= 2 * half
+    w = torch.empty((n, in_features), dtype=dtype, device=qweight.device)
+    block_n, block_b = 32, 64
+    _w4_dequantize_kernel[(triton.cdiv(n, block_n), triton.cdiv(half, block_b))](
+        qweight.contiguous(), scales.float().contiguous(), zeros.contiguous() if zeros is not None else qweight, w,
+        n, in_features, half, GROUP=group_size, HAS_ZERO=zeros is not None, BLOCK_N=block_n, BLOCK_B=block_b)
+    return w
+
+
+#: rows of x above which the operator dequantizes the weight to x's dtype (`w4_dequantize`)
+#: and multiplies with torch's matmul (cuBLAS on a GPU) instead of running the w4a16 GEMM:
+#: on an H100 the GEMM's best tiles take 4x the time of a bf16 matmul at M = 256
+#: (docs/performance.md, the w4a16 rows), while a decode batch keeps the 4-bit reads.
+DEQUANTIZE_ABOVE_ROWS = 128
+
+
 def _w4a16_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
               bias: torch.Tensor | None, group_size: int) -> torch.Tensor:
+    if x.numel() > DEQUANTIZE_ABOVE_ROWS * x.shape[-1]:  # a prefill
+        w = w4_dequantize(qweight, scales, zeros, group_size, x.shape[-1], x.dtype)
+        return torch.nn.functional.linear(x, w, bias)
     return w4a16_linear(x, qweight, scales, zeros, bias, group_size)
 
 

@@ -24,7 +24,7 @@ from pagedserve.kernels.triton_aot import recording  # noqa: E402
 
 KERNELS = {"_paged_attention_kernel", "_combine_splits_kernel", "_kv_store_kernel", "_rms_norm_kernel",
            "_silu_and_mul_kernel", "_rotary_kernel", "_kv_store_quantized_kernel", "_w8a16_gemm_kernel",
-           "_w8a16_reduce_kernel", "_w4a16_gemm_kernel", "_w4a16_reduce_kernel"}
+           "_w8a16_reduce_kernel", "_w4a16_gemm_kernel", "_w4a16_reduce_kernel", "_w4_dequantize_kernel"}
 TESTS_DIR = Path(__file__).parent.parent
 
 
@@ -49,8 +49,9 @@ def test_every_engine_kernel_compiles_for_a100_and_h100():
     # per layout (8 each; float8 on sm_90 only); the w8a16 GEMM: 3 tile sizes, and per layout
     # a split-K decode with its reduction (K = 4096 in 4 splits, K = 576 in 3), in fp16 and
     # bf16 (14); the w4a16 GEMM, per dtype: groups 32 and 128, each symmetric and asymmetric,
-    # 3 tile sizes and a split-K decode (16), one reduction for 4 splits, and for K = 576 in
-    # groups of 128 (5 steps of 128) a decode in 3 splits, sym and asym, and its reduction (20)
+    # 2 tile sizes and a split-K decode (12), one reduction for 4 splits, for K = 576 in
+    # groups of 128 (5 steps of 128) a decode in 3 splits, sym and asym, and its reduction,
+    # and the prefill's dequantize pass per group and symmetry (20)
     assert len(results) == 2 * (17 + 8 + 14 + 40) + 8
     for r in results:
         assert r["error"] is None, r
@@ -58,13 +59,18 @@ def test_every_engine_kernel_compiles_for_a100_and_h100():
         assert 0 < r["registers"] <= 255
         assert r["tf32_dots"] is False
         # only a prefill tile of 64 rows × 128 dims (Llama-3-8B: 16 tokens × 4 heads) takes 8 warps
-        # (whatever the cache), and only below sm_90; the GEMM's 64 × 128 tile of M > 64 takes 8 too
+        # (whatever the cache), and only below sm_90; the w8a16 GEMM's 64-row tile takes 8 too
         big_tile = (r["kernel"] == "_paged_attention_kernel" and "llama3-8b bs16 mixed" in r["label"]
                     and r["arch"] < 90)
-        big_gemm = r["kernel"] in ("_w8a16_gemm_kernel", "_w4a16_gemm_kernel") and r["constants"]["BLOCK_M"] == 64
+        big_gemm = r["kernel"] == "_w8a16_gemm_kernel" and r["constants"]["BLOCK_M"] == 64
         assert r["num_warps"] == (8 if big_tile or big_gemm else 4), r
     assert "166 launches: 166 compiled, 0 refused by the compiler; 0 over the shared memory limit" in out
-    assert not any(r["stack_bytes"] for r in results if "gemm" in r["kernel"])  # no GEMM spills registers
+    # no GEMM spills registers, but for the w4a16 64 × 64 tile (tiles_for, measured the fastest
+    # on an H100) with 128-wide K steps on sm_80: a few bytes there
+    spills = {(r["arch"], r["kernel"], r["constants"]["BLOCK_M"], r["constants"]["GROUP"])
+              for r in results if "gemm" in r["kernel"] and r["stack_bytes"]}
+    assert spills <= {(80, "_w4a16_gemm_kernel", 64, 128)}, spills
+    assert max(r["stack_bytes"] for r in results if "gemm" in r["kernel"]) <= 128
     attention = {r["label"].split()[-1]: r["constants"] for r in results
                  if r["arch"] == 90 and r["kernel"] == "_paged_attention_kernel" and "llama3-8b" in r["label"]
                  and "kv-" not in r["label"]}
@@ -188,10 +194,13 @@ def test_quantized_kv_and_gemm_launches_compile_where_their_types_exist():
     assert gemm == [(80, 16), (80, 16), (80, 32), (80, 64), (90, 16), (90, 16), (90, 32), (90, 64)]  # M=1 twice: split-K
     assert sorted(arch for arch, kernel, *_ in rows if kernel == "_w8a16_reduce_kernel") == [80, 90]
     int4 = sorted((arch, *int4, block_m) for arch, kernel, *_, block_m, int4 in rows if kernel == "_w4a16_gemm_kernel")
-    # per architecture: groups 32 and 128, without and with zero points, 3 tiles and a split-K decode
+    # per architecture: groups 32 and 128, without and with zero points, 2 tiles (M = 32 and
+    # 256 share the 64-row one) and a split-K decode
     assert int4 == sorted((arch, group, zero, split, block_m) for arch in (80, 90) for group in (32, 128)
-                          for zero in (False, True) for block_m, split in ((16, 1), (16, 4), (32, 1), (64, 1)))
+                          for zero in (False, True) for block_m, split in ((16, 1), (16, 4), (64, 1)))
     assert sorted(arch for arch, kernel, *_ in rows if kernel == "_w4a16_reduce_kernel") == [80, 90]
+    dequantize = sorted((arch, *int4[:2]) for arch, kernel, *_, int4 in rows if kernel == "_w4_dequantize_kernel")
+    assert dequantize == [(arch, group, zero) for arch in (80, 90) for group in (32, 128) for zero in (False, True)]
 
 
 def test_recording_sees_the_quantized_cache_and_the_gemm():

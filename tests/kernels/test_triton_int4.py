@@ -107,6 +107,16 @@ def test_w4a16_split_k_matches_dequantize_then_linear(m, split_k, group, symmetr
     assert torch.equal(y, _run(x, w, b, split_k))  # the same sum every run
 
 
+@pytest.mark.parametrize(("tiles", "split_k"), [((16, 32, 4), 2), ((32, 128, 4), 1), ((64, 64, 8), None)],
+                         ids=["16x32-split2", "32x128", "64x64-8warps"])
+def test_w4a16_tiles_given_by_the_caller_keep_the_bound(tiles, split_k):
+    """The `tiles` override that benchmarks/gpu_kernels.py tunes with: another tile shape and
+    warp count computes the same product, within the same bound."""
+    x, w, b = _case(19, 300, 75, 128, False, torch.bfloat16)
+    y = w4a16_linear(x, w.qweight, w.scales, w.zeros, b, w.group_size, split_k=split_k, tiles=tiles)
+    _assert_within_bound(y, x, w, b)
+
+
 @pytest.fixture
 def row_by_row_interpreter_dot(monkeypatch):
     """Under the interpreter, `tl.dot` is numpy's matmul, and OpenBLAS's float32 matmul is not
@@ -141,25 +151,64 @@ def test_w4a16_rows_are_independent_of_the_batch(split_k, group, symmetric, dtyp
         assert torch.equal(_run(x[:m], w, b, split_k), full[:m]), f"M={m}"
 
 
-def test_split_k_only_where_tiles_are_few_and_alike_up_to_32_rows(monkeypatch):
+def test_split_k_by_k_alone_up_to_16_rows_and_the_measured_tiles(monkeypatch):
     class Props:
         multi_processor_count = 132  # an H100/H200
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props())
     cuda = torch.device("cuda")
     assert triton_int4.split_k_for(1, 4096, 4096, 32, torch.device("cpu")) == 1  # the interpreter: never
-    assert triton_int4.split_k_for(1, 4096, 4096, 32, cuda) == 5  # 64 tiles of 64 columns: 264 programs wanted
-    assert triton_int4.split_k_for(1, 1024, 2048, 128, cuda) == 4  # 16 steps of 128: at least 4 each
-    assert triton_int4.split_k_for(1, 28672, 4096, 128, cuda) == 1  # 448 tiles fill the GPU
+    assert triton_int4.split_k_for(1, 4096, 4096, 128, cuda) == 4  # 8 steps of 128 a program
+    assert triton_int4.split_k_for(1, 28672, 4096, 128, cuda) == 4  # whatever the output tiles' count
+    assert triton_int4.split_k_for(1, 4096, 14336, 128, cuda) == 14  # down_proj
+    assert triton_int4.split_k_for(1, 4096, 32768, 128, cuda) == 16  # the cap
+    assert triton_int4.split_k_for(1, 1024, 2048, 32, cuda) == 8  # 64 steps of 32
     assert triton_int4.split_k_for(1, 1024, 256, 128, cuda) == 1  # two 128-wide steps: too short
+    assert triton_int4.split_k_for(1, 1024, 1152, 128, cuda) == 2  # 9 steps
+    assert triton_int4.split_k_for(17, 4096, 14336, 128, cuda) == 4  # above 16 rows: at most 4
     assert triton_int4.split_k_for(65, 1024, 4096, 32, cuda) == 1  # prefill: no splits
-    assert triton_int4.split_k_for(1, 4096, 4096, 128, cuda, torch.float32) == 5  # 32-wide steps in float32
-    for n, k, group in ((4096, 4096, 32), (6144, 4096, 128), (960, 576, 32)):
-        splits = {triton_int4.split_k_for(m, n, k, group, cuda) for m in range(1, 33)}
-        assert len(splits) == 1, (n, k, group, splits)  # the same walk over K for every M up to 32
+    assert triton_int4.split_k_for(1, 4096, 4096, 128, cuda, torch.float32) == 16  # 32-wide steps in float32
+    for n, k, group in ((4096, 4096, 32), (6144, 4096, 128), (960, 576, 32), (4096, 14336, 128)):
+        splits = {triton_int4.split_k_for(m, n, k, group, cuda) for m in range(1, 17)}
+        assert len(splits) == 1, (n, k, group, splits)  # the same walk over K for every M up to 16
+    assert [triton_int4.tiles_for(m) for m in (1, 16, 17, 64, 65, 256)] == [(16, 64, 4)] * 2 + [(64, 64, 4)] * 4
+    assert [triton_int4.tiles_for(m, torch.float32) for m in (16, 64, 65)] == [(16, 64, 4), (32, 64, 4), (64, 64, 8)]
     assert triton_int4.block_k_for(32) == 32 and triton_int4.block_k_for(128) == 128
     assert triton_int4.block_k_for(96) == 32 and triton_int4.block_k_for(576) == 64  # a checkpoint's group
     assert triton_int4.block_k_for(128, torch.float32) == 32
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize(("k", "n", "group", "symmetric", "bias"), SHAPES[:4],
+                         ids=[f"k{k}-n{n}-g{g}-{'sym' if s else 'asym'}" for k, n, g, s, _ in SHAPES[:4]])
+def test_dequantize_pass_gives_the_references_weight(k, n, group, symmetric, bias, dtype):
+    """`w4_dequantize` (the prefill path's one pass over the packed bytes) gives the reference's
+    float32 weight rounded once to the dtype: exactly, where the interpreter rounds as a GPU
+    does (float32, float16); bfloat16's interpreted cast truncates, so there within one ulp."""
+    _, w, _ = _case(1, k, n, group, symmetric, dtype, bias)
+    got = triton_int4.w4_dequantize(w.qweight, w.scales, w.zeros, group, k, dtype)
+    want = triton_int4.dequantize_ref(w.qweight, w.scales, w.zeros, group, k).to(got.device)
+    assert got.shape == (n, k) and got.dtype == dtype
+    if dtype == torch.bfloat16 and DEVICE == "cpu":
+        assert torch.allclose(got.float(), want, rtol=2.0**-7, atol=0)
+    else:
+        assert torch.equal(got, want.to(dtype))
+
+
+def test_the_operator_dequantizes_for_a_prefill(monkeypatch):
+    """Above DEQUANTIZE_ABOVE_ROWS rows the registered operator takes the dequantize pass and
+    torch's matmul, at or below it the w4a16 GEMM; both within the GEMM's bound."""
+    x, w, b = _case(9, 200, 37, 32, False, torch.float32)
+    calls = []
+    gemm = triton_int4.w4a16_linear
+    monkeypatch.setattr(triton_int4, "w4a16_linear", lambda *a, **k: calls.append("gemm") or gemm(*a, **k))
+    monkeypatch.setattr(triton_int4, "DEQUANTIZE_ABOVE_ROWS", 8)
+    y = triton_int4._w4a16_op(x, w.qweight, w.scales, w.zeros, b, 32)
+    assert calls == []
+    _assert_within_bound(y, x, w, b)
+    y8 = triton_int4._w4a16_op(x[:8], w.qweight, w.scales, w.zeros, b, 32)
+    assert calls == ["gemm"]
+    _assert_within_bound(y8, x[:8], w, b)
 
 
 def test_w4a16_large_tile_leading_dims_and_a_zero_scale_row():
