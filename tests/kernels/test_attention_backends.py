@@ -41,3 +41,27 @@ def test_backend_matches_dense_reference(backend_cls, dtype, shape):
     # the new keys/values were stored at their slots
     stored = kv_cache[0].view(-1, kv_heads, head_dim)[metadata.slot_mapping]
     assert torch.equal(stored, key)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_vector_decode_path_matches_the_reference_and_ignores_the_batch(head_dim):
+    """The float32 decode kernel's AVX2 path (head_dim 64 and 128): contexts around the groups
+    of eight keys it scores at once and the 16-token blocks (1, 7, 8, 9, 16, 17, 150), GQA 3,
+    against the float64 reference; and each sequence's rows are the same bits alone as in the
+    batch (its own blocks, whatever else shares the call)."""
+    if cpu_kernels() is None:
+        pytest.skip("the CPU kernel could not be built here")
+    lens = [1, 7, 8, 9, 16, 17, 150]
+    query, key, value, kv_cache, metadata = build_batch([1] * len(lens), lens, 9, 3, head_dim, 16, torch.float32)
+    scale = head_dim**-0.5
+    expected = dense_reference(query, key, value, kv_cache, metadata, 16, scale)
+    backend = CPUAttentionBackend()
+    metadata.backend = backend
+    backend.prepare(metadata, 16)
+    out = backend.forward(query, key, value, kv_cache, metadata, scale)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+    tables, seq_lens = metadata.block_tables, metadata.seq_lens
+    for i in range(len(lens)):
+        alone = cpu_kernels().paged_decode_attention(query[i : i + 1].contiguous(), kv_cache[0], kv_cache[1],
+                                                     tables[i : i + 1].contiguous(), seq_lens[i : i + 1].contiguous(), scale)
+        assert torch.equal(alone[0], out[i]), f"sequence {i} (context {lens[i]})"
