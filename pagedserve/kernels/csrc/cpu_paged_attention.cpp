@@ -178,55 +178,41 @@ inline void values_avx2(const float* p, const float* vp, int64_t stride, int64_t
   for (int64_t j = 0; j < V; ++j) _mm256_storeu_ps(acc + 8 * j, a[j]);
 }
 
-// One (sequence, KV head) task over a float32 cache: the online softmax of the generic loop
-// below, on vectors. qf, acc: `group` query rows of D; mx, sum: one per row; probs: group ×
-// the block rounded up to 8. next_offset / next_rows: the next task's first block, asked
-// for while this task's last block is worked on.
+// One block of n rows of a float32 cache for the `group` query rows of one KV head: the
+// online-softmax step of the generic attend_block below, on vectors. qf, acc: `group` rows
+// of D; mx, sum: one per row; probs: `group` rows of `padded` (the block rounded up to 8).
 template <int64_t D>
-void attend_task_avx2(const float* qf, const float* k_cache, const float* v_cache, const int32_t* table, int64_t len,
-                      int64_t h, int64_t group, int64_t token_stride, int64_t block_stride, int64_t block_size,
-                      float* probs, float* acc, float* mx, float* sum, int64_t next_offset, int64_t next_rows) {
-  const int64_t padded = (block_size + 7) / 8 * 8;
-  for (int64_t start = 0; start < len; start += block_size) {
-    const int64_t n = std::min(block_size, len - start);
-    const int64_t offset = table[start / block_size] * block_stride + h * D;
-    if (start + block_size < len) {  // the next block, while this one is worked on
-      const int64_t next = table[start / block_size + 1] * block_stride + h * D;
-      prefetch_block(k_cache + next, v_cache + next, token_stride, std::min(block_size, len - start - block_size),
-                     D * 4);
-    } else if (next_rows > 0) {
-      prefetch_block(k_cache + next_offset, v_cache + next_offset, token_stride, next_rows, D * 4);
-    }
-    const float* kp = k_cache + offset;
-    const float* vp = v_cache + offset;
-    const bool first = start == 0;
-    for (int64_t g = 0; g < group; ++g) {
-      float* pg = probs + g * padded;
-      scores_avx2<D>(qf + g * D, kp, token_stride, n, pg);
-      const int64_t full = n / 8 * 8;
-      __m256 vmax = _mm256_set1_ps(pg[0]);
-      for (int64_t t = 0; t < full; t += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(pg + t));
-      float block_max = hmax(vmax);
-      for (int64_t t = full; t < n; ++t) block_max = std::max(block_max, pg[t]);
-      const float new_max = first ? block_max : std::max(mx[g], block_max);
-      const float rescale = first ? 0.f : std::exp(mx[g] - new_max);
-      const __m256 m = _mm256_set1_ps(new_max);
-      __m256 vsum = _mm256_setzero_ps();
-      for (int64_t t = 0; t < n; t += 8) {  // the lanes past n are zeroed
-        __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(pg + t), m));
-        if (t + 8 > n) {
-          const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-          e = _mm256_and_ps(e, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - t)), lane)));
-        }
-        _mm256_storeu_ps(pg + t, e);
-        vsum = _mm256_add_ps(vsum, e);
+void attend_block_avx2(const float* qf, const float* kp, const float* vp, int64_t stride, int64_t n, bool first,
+                       int64_t group, int64_t padded, float* probs, float* acc, float* mx, float* sum) {
+  for (int64_t g = 0; g < group; ++g) {
+    float* pg = probs + g * padded;
+    scores_avx2<D>(qf + g * D, kp, stride, n, pg);
+    const int64_t full = n / 8 * 8;
+    __m256 vmax = _mm256_set1_ps(pg[0]);
+    for (int64_t t = 0; t < full; t += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(pg + t));
+    float block_max = hmax(vmax);
+    for (int64_t t = full; t < n; ++t) block_max = std::max(block_max, pg[t]);
+    const float new_max = first ? block_max : std::max(mx[g], block_max);
+    const float rescale = first ? 0.f : std::exp(mx[g] - new_max);
+    const __m256 m = _mm256_set1_ps(new_max);
+    __m256 vsum = _mm256_setzero_ps();
+    for (int64_t t = 0; t < n; t += 8) {  // the lanes past n are zeroed
+      __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(pg + t), m));
+      if (t + 8 > n) {
+        const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        e = _mm256_and_ps(e, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - t)), lane)));
       }
-      sum[g] = sum[g] * rescale + hsum(vsum);
-      mx[g] = new_max;
-      values_avx2<D>(pg, vp, token_stride, n, rescale, acc + g * D);
+      _mm256_storeu_ps(pg + t, e);
+      vsum = _mm256_add_ps(vsum, e);
     }
+    sum[g] = sum[g] * rescale + hsum(vsum);
+    mx[g] = new_max;
+    values_avx2<D>(pg, vp, stride, n, rescale, acc + g * D);
   }
 }
+
+using VectorBlockFn = void (*)(const float*, const float*, const float*, int64_t, int64_t, bool, int64_t, int64_t,
+                               float*, float*, float*, float*);
 #endif
 
 // One pass over the context, a block at a time, with an online softmax: each block's keys
@@ -246,8 +232,15 @@ void decode_attention(const T* q, const C* k_cache, const C* v_cache, const int3
   const int64_t token_stride = num_kv_heads * width;  // between positions in a block
   const int64_t block_stride = block_size * token_stride;
   const bool widen = kInt8 && group > 1;
+  const int64_t padded = (block_size + 7) / 8 * 8;  // a row of probs (the vector path's rows of 8)
+#if defined(__AVX2__) && defined(__FMA__)
+  // the vector path: float32 queries and cache, head_dim 64 or 128
+  VectorBlockFn vector_block = nullptr;
+  if constexpr (std::is_same_v<T, float> && std::is_same_v<C, float>)
+    vector_block = head_dim == 64 ? attend_block_avx2<64> : head_dim == 128 ? attend_block_avx2<128> : nullptr;
+#endif
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * head_dim), acc(group * head_dim), probs(group * block_size), mx(group), sum(group);
+    std::vector<float> qf(group * head_dim), acc(group * head_dim), probs(group * padded), mx(group), sum(group);
     std::vector<float> k_scale(kInt8 ? block_size : 0), v_scale(kInt8 ? block_size : 0);
     std::vector<float> kf(widen ? block_size * head_dim : 0), vf(widen ? block_size * head_dim : 0);
     // One block of n rows, `stride` elements apart; ks/vs: the int8 rows' scales (null: none).
@@ -315,37 +308,6 @@ void decode_attention(const T* q, const C* k_cache, const C* v_cache, const int3
                      row_bytes);
     };
     if (begin < end) prefetch_first(begin);
-#if defined(__AVX2__) && defined(__FMA__)
-    // the vector path: float32 queries and cache, head_dim 64 or 128
-    if constexpr (std::is_same_v<T, float> && std::is_same_v<C, float>) {
-      if (head_dim == 64 || head_dim == 128) {
-        std::vector<float> vprobs(group * ((block_size + 7) / 8 * 8));
-        auto* attend = head_dim == 64 ? attend_task_avx2<64> : attend_task_avx2<128>;
-        for (int64_t task = begin; task < end; ++task) {
-          const int64_t s = task / num_kv_heads, h = task % num_kv_heads;
-          const int64_t len = seq_lens[s];
-          const T* qp = q + (s * num_heads + h * group) * head_dim;
-          for (int64_t i = 0; i < group * head_dim; ++i) qf[i] = qp[i] * scale;
-          std::fill(acc.begin(), acc.end(), 0.f);
-          std::fill(sum.begin(), sum.end(), 0.f);
-          int64_t next_offset = 0, next_rows = 0;
-          if (task + 1 < end) {
-            const int64_t s1 = (task + 1) / num_kv_heads;
-            next_offset = block_tables[s1 * max_blocks] * block_stride + ((task + 1) % num_kv_heads) * width;
-            next_rows = std::max<int64_t>(0, std::min<int64_t>(block_size, seq_lens[s1]));
-          }
-          attend(qf.data(), k_cache, v_cache, block_tables + s * max_blocks, len, h, group, token_stride, block_stride,
-                 block_size, vprobs.data(), acc.data(), mx.data(), sum.data(), next_offset, next_rows);
-          for (int64_t g = 0; g < group; ++g) {
-            T* op = out + (s * num_heads + h * group + g) * head_dim;
-            const float inv = len > 0 ? 1.f / sum[g] : 0.f;
-            for (int64_t i = 0; i < head_dim; ++i) op[i] = acc[g * head_dim + i] * inv;
-          }
-        }
-        return;
-      }
-    }
-#endif
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task / num_kv_heads, h = task % num_kv_heads;
       const int64_t len = seq_lens[s];
@@ -391,6 +353,15 @@ void decode_attention(const T* q, const C* k_cache, const C* v_cache, const int3
             attend_block(kp, vp, token_stride, k_scale.data(), v_scale.data(), n, start == 0);
           }
         } else {
+#if defined(__AVX2__) && defined(__FMA__)
+          if constexpr (std::is_same_v<C, float>) {
+            if (vector_block) {
+              vector_block(qf.data(), kp, vp, token_stride, n, start == 0, group, padded, probs.data(), acc.data(),
+                           mx.data(), sum.data());
+              continue;
+            }
+          }
+#endif
           attend_block(kp, vp, token_stride, nullptr, nullptr, n, start == 0);
         }
       }
