@@ -9,7 +9,8 @@
 #   GPU_DEADLINE_S=300 bash benchmarks/gpu_all.sh      # stop starting steps past 300 s
 #
 # Steps: kernels (benchmarks/gpu_kernels.py), gemm (its GEMM cases only), w4a16 (its w4a16
-# cases only), calibration (gpu_checks.py's int4 calibration), e2e (benchmarks/gpu_e2e.py),
+# cases only, group 128; w4a16-g32: group 32), calibration (gpu_checks.py's int4 calibration),
+# e2e (benchmarks/gpu_e2e.py),
 # twins (the `gpu` tests of the Triton int8 / int4 / quantized-KV files: each file's tests
 # compiled on the GPU; twin-int4: the int4 file's only), checks (benchmarks/gpu_checks.py),
 # quant (its int8 and int4 variants only), serve (`pagedserve serve` with one worker and a
@@ -68,6 +69,7 @@ for step in "${STEPS[@]}"; do
     kernels) run kernels 120 python3 benchmarks/gpu_kernels.py ;;
     gemm) run gemm 120 python3 benchmarks/gpu_kernels.py --only gemm ;;
     w4a16) run w4a16 200 python3 benchmarks/gpu_kernels.py --only w4a16 ;;
+    w4a16-g32) run w4a16-g32 200 python3 benchmarks/gpu_kernels.py --only w4a16 --groups 32 ;;
     calibration) run calibration 90 python3 benchmarks/gpu_checks.py --only calibration ;;
     quant) run quant 240 python3 benchmarks/gpu_checks.py --only quantization --json "$OUT/quant.json" \
         --variants "int8,int4,int4 g128" ;;

@@ -116,6 +116,8 @@ def main() -> int:
     parser.add_argument("--only", choices=["attention", "gemm", "w4a16"], help="the attention cases, the GEMM "
                         "cases (w8a16 and w4a16) or the w4a16 ones only")
     parser.add_argument("--sweep", action="store_true", help="also time the w4a16 tile and K-split choices")
+    parser.add_argument("--groups", default="128", help="the w4a16 group sizes, comma-separated (default 128; "
+                        "32 is the CPU default's group)")
     args = parser.parse_args()
     picked = pick_device(args.smoke)
     if picked is None:
@@ -139,7 +141,8 @@ def main() -> int:
     if args.only in (None, "gemm"):
         ok &= gemm_cases(device, args.smoke, repeat)
     if args.only in (None, "gemm", "w4a16"):
-        ok &= w4a16_cases(device, args.smoke, repeat, args.sweep)
+        for group in (int(g) for g in args.groups.split(",")):
+            ok &= w4a16_cases(device, args.smoke, repeat, args.sweep, group)
     print("all checks passed" if ok else "CHECK FAILED: a Triton kernel disagrees with its torch reference")
     return 0 if ok else 1
 
@@ -329,8 +332,8 @@ W4A16_SWEEP = {1: ([(16, 32, 4), (16, 64, 4), (16, 128, 4)], [1, 2, 4, 8, 16]),
                256: ([(64, 128, 8), (128, 128, 8), (128, 64, 4), (64, 64, 4)], [1])}
 
 
-def w4a16_cases(device, smoke, repeat, sweep_tiles: bool = False) -> bool:
-    """The w4a16 GEMM (group 128, symmetric: GPTQ's and AWQ's usual layout) on Llama-3-8B's
+def w4a16_cases(device, smoke, repeat, sweep_tiles: bool = False, group: int = 128) -> bool:
+    """The w4a16 GEMM (symmetric; group 128 is GPTQ's and AWQ's usual layout) on Llama-3-8B's
     projections, GPU time from CUDA graphs over weight copies past L2: against torch's bf16
     matmul and the w8a16 GEMM of the same shape, its weight bytes per second against the
     copy bandwidth's read half; the same with the host's launches between calls ("launched",
@@ -352,9 +355,9 @@ def w4a16_cases(device, smoke, repeat, sweep_tiles: bool = False) -> bool:
     shapes = [("tiny", 48, 72)] if smoke else LLAMA3_8B_LINEARS
     rows = [1, 17] if smoke else [1, 16, 64, 256]
     sweep = ({1: W4A16_SWEEP[1]} if smoke else W4A16_SWEEP) if sweep_tiles else {}
-    dtype, group, ok = torch.bfloat16, 128, True
+    dtype, ok = torch.bfloat16, True
     g = torch.Generator().manual_seed(0)
-    print(f"{'w4a16 g128, CUDA graphs':34}{'rel diff':>12}{'time ms':>10}   figure")
+    print(f"{f'w4a16 g{group}, CUDA graphs':34}{'rel diff':>12}{'time ms':>10}   figure")
     best_of: dict = {}
     for name, n, k in shapes:
         padded = -(-k // group) * group
