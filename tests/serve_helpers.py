@@ -56,16 +56,19 @@ def free_port() -> int:
 
 class LiveServer:
     """`redis_url` None: the server starts its own Redis (and `workers()` cannot look).
-    `new_session`: its own process group, as a terminal's job is; `log`: a file for its output."""
+    `new_session`: its own process group, as a terminal's job is; `log`: a file for its output.
+    `quantization`: the weights' (default "none": float32, which the tests compare against
+    transformers and the in-process engine; None: the server's own default, int8 on CPU)."""
 
-    def __init__(self, model_dir, redis_url: str | None, *flags: str, new_session: bool = False, log=None):
+    def __init__(self, model_dir, redis_url: str | None, *flags: str, new_session: bool = False, log=None,
+                 quantization: str | None = "none"):
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.redis_url = redis_url
         self.model = str(model_dir)
         env = dict(os.environ, PAGEDSERVE_API_KEYS=",".join(f"{k}:{t}" for k, t in API_KEYS.items()))
         args = [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", "--model", self.model, "--port", str(self.port),
-                *(["--redis-url", redis_url] if redis_url else []), "--log-level", "warning", *flags]
+                *(["--redis-url", redis_url] if redis_url else []), "--log-level", "warning", *(["--quantization", quantization] if quantization else []), *flags]
         self.process = subprocess.Popen(args, env=env, start_new_session=new_session, stdout=log, stderr=log)
         # redis:// or redis+sentinel:// (passwords from the URL or the environment), as the server reads it
         self.redis = redis_clients.sync_client(redis_url) if redis_url else None

@@ -27,6 +27,11 @@ INT8_KERNELS = ("auto", "flags", "avx512vnni", "avxvnni", "avx2", "float")
 #: how tensor-parallel ranks on the CPU all-reduce (`tensor_parallel_all_reduce`)
 TP_ALL_REDUCES = ("auto", "shm", "gloo")
 
+#: --quantization values besides the methods' names: none (keep the weights), auto (above)
+QUANTIZATION_CHOICES = ("none", "auto")
+#: what "auto" quantizes a float32 model on CPU to (with its LM head)
+CPU_AUTO_QUANTIZATION = "int8"
+
 #: --quantization-calibration choices (which a method implements: its `calibration_methods`)
 QUANTIZATION_CALIBRATIONS = ("none", "gptq", "imatrix")
 
@@ -121,7 +126,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     #: False: torch's BLAS in the eager forward, the earlier kernels in the fused step
     pack_cpu_weights: bool = True
     #: weight quantization at load time: an entry point in pagedserve.quantization (int8:
-    #: weight-only int8, one scale per output channel); None: the checkpoint's float weights
+    #: weight-only int8, one scale per output channel); None or "none": the checkpoint's weights
+    #: as they are; "auto" (what `pagedserve serve` and `worker` run when --quantization is not
+    #: given): int8 with its LM head for a float32 model on CPU, where int8 beat float32 at
+    #: every batch size measured, none elsewhere (model_loader.resolve_quantization)
     quantization: str | None = None
     quantize_lm_head: bool = False  # with `quantization`: the LM head too (the embedding lookup stays float)
     #: with `quantization`: fit the weights to calibration activations at load (the int4 methods;
@@ -276,16 +284,16 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise InvalidParameterError("quantization_calibration", f"must be {', '.join(QUANTIZATION_CALIBRATIONS)}, "
                                         f"got {self.quantization_calibration!r}")
         if self.quantization_calibration != "none":
-            if self.quantization is None:
+            if self.quantization in (None, *QUANTIZATION_CHOICES):
                 raise InvalidParameterError("quantization_calibration", "calibrates a quantization method: "
-                                            "give --quantization too (e.g. int4)")
+                                            "name it with --quantization (e.g. int4)")
             if self.tensor_parallel_size > 1:
                 raise InvalidParameterError("quantization_calibration", "does not run with tensor_parallel_size > 1 yet")
             if self.load_format == "dummy":
                 raise InvalidParameterError("quantization_calibration", "needs the checkpoint's weights, not dummy ones")
         if self.quantization_calibration_tokens < 1:
             raise InvalidParameterError("quantization_calibration_tokens", "must be >= 1")
-        if self.quantization is not None:
+        if self.quantization not in (None, *QUANTIZATION_CHOICES):
             methods = quantization_methods()
             if self.quantization not in methods:
                 raise InvalidParameterError("quantization", f"unknown method {self.quantization!r}; "

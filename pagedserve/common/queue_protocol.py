@@ -237,6 +237,9 @@ class WorkerInfo(msgspec.Struct, kw_only=True):
     block_size: int = 0  # tokens per KV block
     kv_model_id: str = ""  # the model id its block hashes include (EngineConfig.model)
     kv_dtype: str = ""  # the quantized KV dtype its block hashes include (int8, fp8_e4m3); "": none (float cache)
+    #: the quantization method its weights got at load (int8, int4...: `pagedserve serve` on CPU
+    #: quantizes to int8 unless told otherwise); "": none (float weights, or a GPTQ/AWQ checkpoint's own)
+    quantization: str = ""
     activity: WorkerActivity = msgspec.field(default_factory=WorkerActivity)  # running sums since it started (the cluster view's rates)
 
 

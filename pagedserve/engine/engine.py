@@ -35,7 +35,7 @@ from pagedserve.engine.speculator import Speculator
 from pagedserve.engine.stats_collector import StepStatsCollector
 from pagedserve.engine.tensor_parallel import RankFailure
 from pagedserve.plugins import load_plugin
-from pagedserve.prefix_cache.block_hash import kv_dtype_key
+from pagedserve.prefix_cache.block_hash import kv_dtype_key, kv_model_key
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,8 @@ class Engine:
         self.max_model_len = self.runner.max_model_len
         self.config = config = self.runner.config  # the step budget resolved for the device
         self.kv_manager = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
-                                         model_id=config.model, kv_dtype=kv_dtype_key(config.kv_cache_dtype))
+                                         model_id=kv_model_key(config.model, config.quantization, config.quantize_lm_head),
+                                         kv_dtype=kv_dtype_key(config.kv_cache_dtype))
         self.scheduler = load_plugin("schedulers", config.scheduler)(config, self.kv_manager)
         self.input_processor = InputProcessor(self.tokenizer, self.hf_config.vocab_size, self.max_model_len,
                                               config.max_n, self._eos_token_ids())

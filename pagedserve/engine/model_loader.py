@@ -8,10 +8,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import torch
 from safetensors import safe_open
 
 from pagedserve.common.contracts import Kernels, ParallelGroup, QuantizationPlugin
+from pagedserve.common.engine_config import CPU_AUTO_QUANTIZATION, EngineConfig
 from pagedserve.common.errors import InvalidParameterError
 from pagedserve.engine.calibration import CalibrationRequest, TokenCalibration, calibration_tokens
 from pagedserve.plugins import load_plugin
@@ -144,6 +146,23 @@ def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.dev
         # pool, sized from the free memory, counts the packed weights and not the float ones
         torch.cuda.empty_cache()
     return model
+
+
+def resolve_quantization(config: EngineConfig, device: torch.device, dtype: torch.dtype, hf_config) -> EngineConfig:
+    """The config with `quantization` a method's name or None: "none" is None; "auto" is
+    CPU_AUTO_QUANTIZATION with its LM head for a float32 model on CPU whose checkpoint is not
+    quantized already (int8 was faster than float32 there at every batch size measured, on
+    AVX2 and AVX-512 machines, for 0.3-0.4% in perplexity: docs/performance.md), else None."""
+    if config.quantization == "none":
+        return msgspec.structs.replace(config, quantization=None)
+    if config.quantization != "auto":
+        return config
+    quantized = getattr(hf_config, "quantization_config", None) is not None
+    if device.type == "cpu" and dtype == torch.float32 and not quantized:
+        logger.info("weights: %s with its LM head on CPU (--quantization none keeps them float32)",
+                    CPU_AUTO_QUANTIZATION)
+        return msgspec.structs.replace(config, quantization=CPU_AUTO_QUANTIZATION, quantize_lm_head=True)
+    return msgspec.structs.replace(config, quantization=None)
 
 
 def checkpoint_format(hf_config, quantization: str | None = None) -> CheckpointFormat | None:

@@ -31,7 +31,7 @@ from pagedserve.engine.device import resolve_device, resolve_dtype
 from pagedserve.engine.grammar_manager import StructuredOutputManager
 from pagedserve.engine.grammar_sampling import advance, mask_logits
 from pagedserve.engine.kv_cache_pool import KVCachePool, resolve_kv_cache_dtype
-from pagedserve.engine.model_loader import check_tensor_parallel, load_model
+from pagedserve.engine.model_loader import check_tensor_parallel, load_model, resolve_quantization
 from pagedserve.engine.sampling_inputs import SamplingInputs, sampled_logprobs
 from pagedserve.engine.speculator import draft_prefixes, verify
 from pagedserve.engine.step_inputs import as_rows, kv_spec_for_rank, step_tensors, with_step_budget
@@ -47,6 +47,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: Path, hf_config):
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
+        config = resolve_quantization(config, self.device, self.dtype, hf_config)  # "auto" and "none" decided
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
         self.kernels = select_kernels(config.attention_backend, self.device)  # chosen once, here
         if self.kv_cache_dtype != self.dtype and not self.kernels.attention.quantized_kv:
@@ -109,8 +110,7 @@ class ModelRunner:
             return
         if self.device.type == "cuda" and self.attention_backend.name == "triton" and not config.enforce_eager:
             self.enable_decode_graphs(min(config.cuda_graph_max_batch, config.max_num_seqs), max_len)
-        # only with the C++ attention backend: a test or user who chose `torch` or `triton`
-        # attention gets those kernels in every step
+        # only with the C++ attention backend: one who chose `torch` or `triton` gets those in every step
         if self.attention_backend.name == "cpu" and config.fused_decode_max_batch > 0 and not config.enforce_eager:
             # a speculative step verifies up to num_speculative_tokens drafts per sequence, a row each
             query_len = 1 + config.num_speculative_tokens if config.speculative_method else 1

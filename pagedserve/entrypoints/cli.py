@@ -76,13 +76,19 @@ def _plan(args) -> int:
 
 
 def _service_configs(args):
+    import msgspec
+
     from pagedserve.common import options
     from pagedserve.common.engine_config import EngineConfig
     from pagedserve.common.serve_config import ServeConfig
 
     config = options.build(ServeConfig, args)
     logging.getLogger().setLevel(config.log_level.upper())
-    return config, options.build(EngineConfig, args)
+    engine = options.build(EngineConfig, args)
+    if engine.quantization is None:  # not given (the environment's "none" also reads as None)
+        said = os.environ.get("PAGEDSERVE_QUANTIZATION", "").strip().lower()
+        engine = msgspec.structs.replace(engine, quantization="none" if said == "none" else "auto")
+    return config, engine
 
 
 def _serve(args) -> int:
@@ -205,6 +211,10 @@ def build_parser() -> argparse.ArgumentParser:
         service = sub.add_parser(name, help=text, description=text + ". Every flag also reads PAGEDSERVE_<FLAG>.")
         options.add_arguments(service, ServeConfig)
         options.add_arguments(service, EngineConfig)
+        quantization = next(a for a in service._actions if a.dest == "quantization")
+        quantization.help = ("(env PAGEDSERVE_QUANTIZATION) weights: auto (the default: int8 with its LM head for a "
+                             "float32 model on CPU, none elsewhere), none (as the checkpoint has them), or a method: "
+                             "int8, int4, int4_g128, int4_asym, int4_g128_asym")
         service.set_defaults(func=func)
 
     cache = sub.add_parser("prefix-cache", help="the prefix cache service: the cluster's index of cached blocks")

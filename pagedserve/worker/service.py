@@ -182,6 +182,7 @@ class WorkerService:
             num_cancelled=self.running.num_cancelled, num_taken_over=self.running.num_taken_over,
             num_waiting=self.engine.scheduler.num_waiting, num_stolen=self.queue.reader.num_stolen,
             block_size=kv.block_size, kv_model_id=kv.model_id, kv_dtype=kv.kv_dtype,
+            quantization=self.engine.config.quantization or "",
             activity=self.totals.snapshot(), draining=self.drain.active,
         )
 

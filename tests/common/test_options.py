@@ -55,3 +55,25 @@ def test_memory_sizes_take_units():
     with pytest.raises(InvalidParameterError) as err:
         options.build(EngineConfig, _parse("--kv-tier-memory", "lots"), {})
     assert err.value.param == "kv_tier_memory"
+
+
+@pytest.mark.parametrize(("argv", "env", "expected"), [
+    ((), {}, "auto"),  # nothing said: the serve commands' default (int8 on CPU, resolved by the worker)
+    (("--quantization", "none"), {}, "none"),
+    ((), {"PAGEDSERVE_QUANTIZATION": "none"}, "none"),  # not read as "unset"
+    ((), {"PAGEDSERVE_QUANTIZATION": "int4"}, "int4"),
+    (("--quantization", "int8"), {"PAGEDSERVE_QUANTIZATION": "none"}, "int8"),
+])
+def test_serve_and_worker_default_to_auto_quantization(monkeypatch, argv, env, expected):
+    from pagedserve.entrypoints.cli import _service_configs, build_parser
+
+    monkeypatch.delenv("PAGEDSERVE_QUANTIZATION", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    for command in ("serve", "worker"):
+        _, engine = _service_configs(build_parser().parse_args([command, *argv]))
+        assert engine.quantization == expected
+        # what `serve` hands each worker process on its command line keeps the choice
+        flags = options.to_flags(engine)
+        assert flags[flags.index("--quantization") + 1] == expected
+    assert EngineConfig().quantization is None  # the in-process engine keeps its weights as given

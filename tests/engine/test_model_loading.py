@@ -100,3 +100,29 @@ def test_bfloat16_on_a_cpu_without_bf16_instructions_warns(monkeypatch, caplog):
     with caplog.at_level("WARNING", logger=device.__name__):
         device.resolve_dtype("bfloat16", None, torch.device("cpu"))
     assert caplog.records == []
+
+
+def test_auto_quantization_is_int8_with_its_head_for_float32_on_cpu_only():
+    """`--quantization auto` (what `pagedserve serve` runs when none is named): int8 and an int8
+    LM head for a float32 model on CPU; the weights as they are on a GPU, in bfloat16, and for
+    a checkpoint quantized already; "none" means None; a named method passes unchanged."""
+    from types import SimpleNamespace
+
+    from pagedserve.common.engine_config import EngineConfig
+    from pagedserve.engine.model_loader import resolve_quantization
+
+    cpu, cuda, plain = torch.device("cpu"), torch.device("cuda"), SimpleNamespace()
+    gptq = SimpleNamespace(quantization_config={"quant_method": "gptq", "bits": 4})
+
+    def resolved(quantization, device=cpu, dtype=torch.float32, hf_config=plain):
+        config = resolve_quantization(EngineConfig(quantization=quantization), device, dtype, hf_config)
+        return config.quantization, config.quantize_lm_head
+
+    assert resolved("auto") == ("int8", True)
+    assert resolved("auto", cpu, torch.bfloat16) == (None, False)
+    assert resolved("auto", cuda, torch.bfloat16) == (None, False)
+    assert resolved("auto", cuda, torch.float32) == (None, False)
+    assert resolved("auto", cpu, torch.float32, gptq) == (None, False)
+    assert resolved("none") == (None, False)
+    assert resolved("int4") == ("int4", False)
+    assert resolved(None) == (None, False)

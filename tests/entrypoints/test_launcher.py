@@ -237,6 +237,7 @@ def test_the_workers_of_a_killed_launcher_drain_and_exit(model_dir):
         try:
             server.wait_ready()
             [info] = server.workers()
+            assert (info.quantization, info.kv_model_id) == ("", str(model_dir))  # --quantization none
             worker = psutil.Process(info.pid)
             server.process.kill()
             server.process.wait()
@@ -244,3 +245,25 @@ def test_the_workers_of_a_killed_launcher_drain_and_exit(model_dir):
             assert not [w for w in server.workers() if w.pid == info.pid]  # it left the worker set
         finally:
             server.stop()
+
+
+def test_serve_runs_int8_weights_on_cpu_unless_told_otherwise(model_dir):
+    """No --quantization: a CPU worker quantizes the float32 checkpoint to int8 with its LM
+    head (#30 item 5), announces it, keys its KV blocks apart from float32 ones, and answers
+    what the in-process engine with the same weights answers."""
+    from pagedserve import LLM, SamplingParams
+
+    with EmbeddedRedis() as redis_server:
+        server = LiveServer(model_dir, redis_server.url, *FLAGS, quantization=None)
+        try:
+            server.wait_ready()
+            [info] = server.workers()
+            assert (info.quantization, info.kv_model_id) == ("int8", f"{model_dir}#int8+head")
+            reply = httpx.post(server.base_url + "/v1/completions", headers=AUTH, timeout=60, json={
+                "model": str(model_dir), "prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0,
+                "ignore_eos": True}).json()
+        finally:
+            assert server.stop() == 0
+    llm = LLM(str(model_dir), attention_backend="torch", num_threads=1, quantization="int8", quantize_lm_head=True)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    assert reply["choices"][0]["text"] == llm.generate(["The quick brown fox"], params)[0].outputs[0].text
