@@ -286,7 +286,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if self.quantization_calibration != "none":
             if self.quantization in (None, *QUANTIZATION_CHOICES):
                 raise InvalidParameterError("quantization_calibration", "calibrates a quantization method: "
-                                            "name it with --quantization (e.g. int4)")
+                                            "give --quantization too (e.g. int4)")
             if self.tensor_parallel_size > 1:
                 raise InvalidParameterError("quantization_calibration", "does not run with tensor_parallel_size > 1 yet")
             if self.load_format == "dummy":
