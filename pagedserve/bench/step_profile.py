@@ -207,12 +207,15 @@ def run_profile(args) -> int:
     all_reduce = getattr(args, "tensor_parallel_all_reduce", "auto")
     print(f"model={args.model} dtype={args.dtype} threads={args.threads} tensor_parallel_size={tp} "
           f"tensor_parallel_all_reduce={all_reduce} pack_cpu_weights={not getattr(args, 'no_pack_cpu_weights', False)} "
+          f"quantization={getattr(args, 'quantization', None)} quantize_lm_head={getattr(args, 'quantize_lm_head', False)} "
           f"torch={torch.__version__} "
           f"prompt={args.profile_prompt} tokens, {args.profile_steps} decode steps per batch")
     for eager in (False, True):
         llm = LLM(args.model, dtype=args.dtype, enforce_eager=eager, max_num_seqs=max(batches),
                   enable_prefix_caching=False, tensor_parallel_size=tp, tensor_parallel_all_reduce=all_reduce,
-                  pack_cpu_weights=not getattr(args, "no_pack_cpu_weights", False))
+                  pack_cpu_weights=not getattr(args, "no_pack_cpu_weights", False),
+                  quantization=getattr(args, "quantization", None),
+                  quantize_lm_head=getattr(args, "quantize_lm_head", False))
         profile_decode(llm.engine, 1, args.profile_prompt, 4, seed=99)  # warm-up
         profiles = [profile_decode(llm.engine, b, args.profile_prompt, args.profile_steps) for b in batches]
         print(f"\n{'eager (--enforce-eager)' if eager else 'default'}:")
