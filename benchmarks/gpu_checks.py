@@ -125,6 +125,9 @@ def quantization(model_dir: Path, device, vocab: int, smoke: bool, only: list[st
     kv_bytes = 1 << 24 if smoke else 8 << 30
     variants = {"bf16": {}, "int8": {"quantization": "int8"}, "fp8 KV": {"kv_cache_dtype": "fp8_e4m3"},
                 "int4": {"quantization": "int4"}, "int4 g128": {"quantization": "int4_g128"}}
+    unknown = sorted(set(only or []) - set(variants))
+    if unknown:  # a misspelt name would leave a variant out of the figures unnoticed
+        raise SystemExit(f"--variants: unknown {', '.join(unknown)}; choices: {', '.join(variants)}")
     variants = {k: v for k, v in variants.items() if k == "bf16" or not only or k in only}
     figures: dict = {}
     reference = greedy_ids(model_dir, device, vocab, 8, prompt_len, 32 if not smoke else 4)
