@@ -83,7 +83,9 @@ def over_http(model: str, dtype: str, threads: int, max_seqs: int, prompts, outp
     from pagedserve.bench.request_stats import summarize
     from pagedserve.bench.serve import run_benchmark
 
-    flags = ("--num-workers", "1", "--dtype", dtype, "--num-threads", str(threads), "--max-num-seqs", str(max_seqs))
+    # the in-process engine keeps the checkpoint's weights: so does the server (its CPU default is int8)
+    flags = ("--num-workers", "1", "--dtype", dtype, "--num-threads", str(threads), "--max-num-seqs", str(max_seqs),
+             "--quantization", "none")
     with pagedserve_serve(model, *flags) as base_url:
         asyncio.run(run_benchmark(base_url, [prompts[0][:16]], [2], api_key=API_KEY, progress=False))  # warm up
         records, duration = asyncio.run(run_benchmark(base_url, prompts, output_lens, math.inf, concurrency,

@@ -37,6 +37,7 @@ class ClockConfig:
 
     model: str = "clock"
     max_num_seqs: int = 256
+    quantization: str | None = None  # the heartbeat announces it
     block_size: int = 16
 
 

@@ -75,7 +75,9 @@ class DraftProposer(ProposerPlugin):
         draft_config = msgspec.structs.replace(
             config, model=str(draft_dir), kv_cache_memory=config.speculative_kv_memory, speculative_method=None,
             max_num_seqs=min(config.max_num_seqs, config.speculative_max_batch), enable_prefix_caching=False,
-            tensor_parallel_size=1)  # the small draft runs whole on rank 0
+            tensor_parallel_size=1,  # the small draft runs whole on rank 0
+            # a GPTQ / AWQ draft loads as its checkpoint is, whatever the target's weights became
+            quantization=None if getattr(hf_config, "quantization_config", None) is not None else config.quantization)
         self.runner = ModelRunner(draft_config, draft_dir, hf_config)
         self.block_size = self.runner.block_size
         self.max_model_len = self.runner.max_model_len

@@ -54,7 +54,7 @@ class Engine:
         self.max_model_len = self.runner.max_model_len
         self.config = config = self.runner.config  # the step budget resolved for the device
         self.kv_manager = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
-                                         model_id=kv_model_key(config.model, config.quantization, config.quantize_lm_head),
+                                         model_id=kv_model_key(config.model, config.quantization),
                                          kv_dtype=kv_dtype_key(config.kv_cache_dtype))
         self.scheduler = load_plugin("schedulers", config.scheduler)(config, self.kv_manager)
         self.input_processor = InputProcessor(self.tokenizer, self.hf_config.vocab_size, self.max_model_len,

@@ -78,12 +78,11 @@ def extra_keys_for(model_id: str, cache_salt: str | None, kv_dtype: str = "") ->
     return encode_extra_keys(keys)
 
 
-def kv_model_key(model: str, quantization: str | None, quantize_lm_head: bool = False) -> str:
-    """The model id extra key of a worker's blocks: the model, and the quantization its weights
-    got at load, whose keys and values differ from the float weights' ("model#int8+head")."""
-    if not quantization:
-        return model
-    return f"{model}#{quantization}{'+head' if quantize_lm_head else ''}"
+def kv_model_key(model: str, quantization: str | None) -> str:
+    """The model id extra key of a worker's blocks: the model, and the quantization its linear
+    layers got at load, whose keys and values differ from the float weights' ("model#int8";
+    the LM head's does not change them)."""
+    return f"{model}#{quantization}" if quantization else model
 
 
 def kv_dtype_key(kv_cache_dtype: str) -> str:

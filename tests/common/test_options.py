@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 
 import pytest
 
@@ -70,10 +71,14 @@ def test_serve_and_worker_default_to_auto_quantization(monkeypatch, argv, env, e
     monkeypatch.delenv("PAGEDSERVE_QUANTIZATION", raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    for command in ("serve", "worker"):
-        _, engine = _service_configs(build_parser().parse_args([command, *argv]))
-        assert engine.quantization == expected
-        # what `serve` hands each worker process on its command line keeps the choice
-        flags = options.to_flags(engine)
-        assert flags[flags.index("--quantization") + 1] == expected
+    root, level = logging.getLogger(), logging.getLogger().level
+    try:
+        for command in ("serve", "worker"):
+            _, engine = _service_configs(build_parser().parse_args([command, *argv]))
+            assert engine.quantization == expected
+            # what `serve` hands each worker process on its command line keeps the choice
+            flags = options.to_flags(engine)
+            assert flags[flags.index("--quantization") + 1] == expected
+    finally:
+        root.setLevel(level)  # _service_configs sets it from --log-level
     assert EngineConfig().quantization is None  # the in-process engine keeps its weights as given

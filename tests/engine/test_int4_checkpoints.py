@@ -280,3 +280,20 @@ def test_an_act_order_checkpoint_is_refused_at_load(float_source, tmp_path):
 def test_quantizing_a_quantized_checkpoint_again_is_refused():
     with pytest.raises(InvalidParameterError, match="quantization: the checkpoint is already quantized"):
         checkpoint_format(_Config({"quant_method": "awq", "bits": 4, "group_size": 128}), "int8")
+
+
+def test_a_gptq_draft_keeps_its_int4_beside_an_int8_target(float_source, tmp_path):
+    """A draft model loads as its checkpoint is, whatever the target's weights became: a GPTQ
+    draft beside an int8 target (`pagedserve serve` makes a float32 target int8 on CPU) is not
+    quantized again (which would be refused), and speculation leaves the greedy ids as they were."""
+    gptq_dir, _ = make_pair(float_source, tmp_path, "gptq")
+    options = dict(kv_cache_memory=1 << 22, quantization="int8", quantize_lm_head=True)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompt = ["The capital of France is"]
+    want = LLM(str(float_source), **options).generate(prompt, params)[0].outputs[0].token_ids
+    spec = LLM(str(float_source), speculative={"method": "draft", "model": str(gptq_dir), "num_speculative_tokens": 3},
+               **options)
+    draft = spec.engine.speculator.proposer.runner
+    assert (draft.config.quantization, type(draft.model.layers[0].mlp.down_proj).__name__) == (None, "PackedInt4Linear")
+    assert type(spec.engine.runner.model.layers[0].mlp.down_proj).__name__ == "PackedInt8Linear"
+    assert spec.generate(prompt, params)[0].outputs[0].token_ids == want

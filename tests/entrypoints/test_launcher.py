@@ -258,7 +258,7 @@ def test_serve_runs_int8_weights_on_cpu_unless_told_otherwise(model_dir):
         try:
             server.wait_ready()
             [info] = server.workers()
-            assert (info.quantization, info.kv_model_id) == ("int8", f"{model_dir}#int8+head")
+            assert (info.quantization, info.kv_model_id) == ("int8", f"{model_dir}#int8")
             reply = httpx.post(server.base_url + "/v1/completions", headers=AUTH, timeout=60, json={
                 "model": str(model_dir), "prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0,
                 "ignore_eos": True}).json()
