@@ -97,6 +97,7 @@ def test_workers_scale_and_expose_metrics_and_traces(compose, name):
     assert env["OTEL_SERVICE_NAME"] == "pagedserve-worker"
     assert env["PAGEDSERVE_WORKER_METRICS_PORT"] == WORKER_METRICS_PORT
     assert env["PAGEDSERVE_WORKER_METRICS_HOST"] == "0.0.0.0"
+    assert env["PAGEDSERVE_QUANTIZATION"] == "${PAGEDSERVE_QUANTIZATION:-auto}"  # int8 on CPU, as `serve`
     assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "${OTEL_EXPORTER_OTLP_ENDPOINT:-http://jaeger:4318}"
     assert env["PAGEDSERVE_MODEL"] == "${PAGEDSERVE_MODEL:-smollm2-135m-instruct}"
 
