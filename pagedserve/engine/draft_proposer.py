@@ -34,6 +34,7 @@ from pagedserve.common.contracts import ModelInput, ProposerPlugin, Request
 from pagedserve.common.engine_config import EngineConfig
 from pagedserve.common.errors import InvalidParameterError
 from pagedserve.common.model_store import resolve_model
+from pagedserve.engine.model_loader import is_prequantized
 from pagedserve.engine.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -77,7 +78,7 @@ class DraftProposer(ProposerPlugin):
             max_num_seqs=min(config.max_num_seqs, config.speculative_max_batch), enable_prefix_caching=False,
             tensor_parallel_size=1,  # the small draft runs whole on rank 0
             # a GPTQ / AWQ draft loads as its checkpoint is, whatever the target's weights became
-            quantization=None if getattr(hf_config, "quantization_config", None) is not None else config.quantization)
+            quantization=None if is_prequantized(hf_config) else config.quantization)
         self.runner = ModelRunner(draft_config, draft_dir, hf_config)
         self.block_size = self.runner.block_size
         self.max_model_len = self.runner.max_model_len

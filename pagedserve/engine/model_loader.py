@@ -157,12 +157,16 @@ def resolve_quantization(config: EngineConfig, device: torch.device, dtype: torc
         return msgspec.structs.replace(config, quantization=None)
     if config.quantization != "auto":
         return config
-    quantized = getattr(hf_config, "quantization_config", None) is not None
-    if device.type == "cpu" and dtype == torch.float32 and not quantized:
+    if device.type == "cpu" and dtype == torch.float32 and not is_prequantized(hf_config):
         logger.info("weights: %s with its LM head on CPU (--quantization none keeps them float32)",
                     CPU_AUTO_QUANTIZATION)
         return msgspec.structs.replace(config, quantization=CPU_AUTO_QUANTIZATION, quantize_lm_head=True)
     return msgspec.structs.replace(config, quantization=None)
+
+
+def is_prequantized(hf_config) -> bool:
+    """Whether config.json has a `quantization_config` (a GPTQ / AWQ checkpoint: its weights load as they are)."""
+    return getattr(hf_config, "quantization_config", None) is not None
 
 
 def checkpoint_format(hf_config, quantization: str | None = None) -> CheckpointFormat | None:

@@ -210,11 +210,12 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         service = sub.add_parser(name, help=text, description=text + ". Every flag also reads PAGEDSERVE_<FLAG>.")
         options.add_arguments(service, ServeConfig)
-        options.add_arguments(service, EngineConfig)
-        quantization = next(a for a in service._actions if a.dest == "quantization")
-        quantization.help = ("(env PAGEDSERVE_QUANTIZATION) weights: auto (the default: int8 with its LM head for a "
-                             "float32 model on CPU, none elsewhere), none (as the checkpoint has them), or a method: "
-                             "int8, int4, int4_g128, int4_asym, int4_g128_asym")
+        # --quantization: its own help, since these commands default it to auto (_service_configs)
+        options.add_arguments(service, EngineConfig, skip=("quantization",))
+        service.add_argument("--quantization", dest="quantization", default=None, metavar="QUANTIZATION",
+                             help="(env PAGEDSERVE_QUANTIZATION) weights: auto (the default: int8 with its LM head "
+                                  "for a float32 model on CPU, none elsewhere), none (as the checkpoint has them), "
+                                  "or a method: int8, int4, int4_g128, int4_asym, int4_g128_asym")
         service.set_defaults(func=func)
 
     cache = sub.add_parser("prefix-cache", help="the prefix cache service: the cluster's index of cached blocks")
