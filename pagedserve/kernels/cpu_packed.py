@@ -18,7 +18,9 @@ per block and one chain of FMAs over the blocks, so its bits do not depend on th
 
 int4 linears (`qweight`: codes two a byte in Q4_0's order, `scales` [out, groups], `zeros`
 [out, groups] or None) become `PackedInt4Linear`s in the same panels, two inputs' codes a byte
-(csrc/cpu_packed_int8.cpp's int4 section), multiplied the same way at every row count.
+(csrc/cpu_packed_int8.cpp's int4 section), multiplied the same way at every row count. Their
+scales are stored as float16, as Q4_0's and GPTQ's: the int4 methods and the GPTQ/AWQ loader
+give float16 values already (plugins/int4_group_fit.py), so packing rounds nothing of theirs.
 
 A tied LM head is the embedding, which the lookup needs as [vocab, hidden]: it stays as it
 is in the model, and the fused step packs its own copy (`pack_weight`). Outside the fused
@@ -34,6 +36,7 @@ import torch
 from torch import nn
 
 PANEL = 16  # output rows per panel (csrc/cpu_packed_gemm.cpp's kPanel)
+FLOAT16_MAX = 65504.0  # the largest finite float16: packed int4 scales are clamped to it
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -137,8 +140,9 @@ def _panels(t: torch.Tensor) -> torch.Tensor:
 
 def pack_int4_weight(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(codes [P, padded_in / 8, 16, 4], scales [P, groups, 16], zeros alike or None) of an int4
-    weight in Q4_0's order (byte i of a block of 32 inputs: input i low, input i + 16 high)."""
+    """(codes [P, padded_in / 8, 16, 4], float16 scales [P, groups, 16], zeros alike or None) of
+    an int4 weight in Q4_0's order (byte i of a block of 32 inputs: input i low, input i + 16
+    high). Scales that are not float16 values are rounded to the nearest (finite) ones."""
     out, padded_in = qweight.shape[0], qweight.shape[1] * 2
     blocks = qweight.view(out, padded_in // 32, 16)
     codes = torch.cat([blocks & 0x0F, blocks >> 4], dim=2).view(out, padded_in)  # codes in input order
@@ -148,7 +152,8 @@ def pack_int4_weight(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.T
     def by_panel(t: torch.Tensor) -> torch.Tensor:
         return _panels(t).view(-1, PANEL, t.shape[1]).permute(0, 2, 1).contiguous()
 
-    return packed, by_panel(scales.float()), None if zeros is None else by_panel(zeros)
+    half = scales.float().clamp(-FLOAT16_MAX, FLOAT16_MAX).half()
+    return packed, by_panel(half), None if zeros is None else by_panel(zeros)
 
 
 class PackedInt4Linear(nn.Module):
@@ -163,7 +168,7 @@ class PackedInt4Linear(nn.Module):
         codes, scales, zeros = pack_int4_weight(qweight, cast(torch.Tensor, linear.scales), zeros)
         self.packed: torch.Tensor  # uint8 [ceil(out / 16), padded_in / 8, 16, 4]
         self.register_buffer("packed", codes)
-        self.scales: torch.Tensor  # float32 [ceil(out / 16), groups, 16]
+        self.scales: torch.Tensor  # float16 [ceil(out / 16), groups, 16]
         self.register_buffer("scales", scales)
         self.zeros: torch.Tensor | None  # uint8 like the scales; None: symmetric (8)
         self.register_buffer("zeros", zeros)

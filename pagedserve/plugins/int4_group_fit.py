@@ -3,8 +3,14 @@
 Round-to-nearest of the group's range, or (`search=True`, the methods' default) a search over
 candidate roundings that keeps, per group, the one whose least-squares scale leaves the smallest
 squared error, as llama.cpp's quantizers do without an importance matrix. Round-to-nearest is
-one of the candidates, so no group gets worse. plugins/int4_quantization.py documents the
-layout and the bounds.
+what every candidate has to beat, so no group gets worse. plugins/int4_quantization.py
+documents the layout and the bounds.
+
+Every scale is a float16 value (kept in a float32 tensor), as Q4_0's and GPTQ's are: the CPU
+kernels read the scales of weights packed at load as float16, which makes a group-32 layer a
+tenth smaller than float32 scales would. Round-to-nearest rounds its scale before it picks the
+codes, so its bounds hold for the scale it stores; the search rounds each candidate's
+least-squares scale and compares the errors at the rounded scales.
 """
 
 from __future__ import annotations
@@ -20,16 +26,33 @@ SYMMETRIC_CANDIDATES = tuple(8.5 - 0.25 * i for i in range(15))  # 8.5, 8.25, ..
 ASYMMETRIC_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)
 
 
+FLOAT16_MAX = 65504.0
+
+
+def float16_values(scale: torch.Tensor) -> torch.Tensor:
+    """`scale` rounded to the nearest float16 values (finite: clamped to ±65504), as float32."""
+    return scale.float().clamp(-FLOAT16_MAX, FLOAT16_MAX).half().float()
+
+
 def least_squares_scale(groups: torch.Tensor, levels: torch.Tensor, fallback: torch.Tensor,
                         importance: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """For integer levels L (q - z) of each group: the scale s minimising Σ a·(x - L·s)², and that
-    sum's reduction Σ a·x·L · s (larger is better: the error is Σ a·x² minus it); `fallback` where
-    every level is 0. a: `importance`, one weight per input broadcast over the groups (None: 1)."""
+    """For integer levels L (q - z) of each group: the scale s minimising Σ a·(x - L·s)², rounded
+    to float16 (`fallback` where every level is 0), and `gain` at that scale. a: `importance`,
+    one weight per input broadcast over the groups (None: 1)."""
+    weighted = levels if importance is None else levels * importance
+    suml2 = (levels * weighted).sum(dim=2)
+    scale = torch.where(suml2 > 0, (groups * weighted).sum(dim=2) / suml2.clamp(min=1e-30), fallback)
+    scale = float16_values(scale)
+    return scale, gain(groups, levels, scale, importance)
+
+
+def gain(groups: torch.Tensor, levels: torch.Tensor, scale: torch.Tensor,
+         importance: torch.Tensor | None = None) -> torch.Tensor:
+    """Σ a·x² minus the squared error Σ a·(x - L·s)² of each group at scale s: larger is better."""
     weighted = levels if importance is None else levels * importance
     sumlx = (groups * weighted).sum(dim=2)
     suml2 = (levels * weighted).sum(dim=2)
-    scale = torch.where(suml2 > 0, sumlx / suml2.clamp(min=1e-30), fallback)
-    return scale, sumlx * scale
+    return 2 * scale * sumlx - scale * scale * suml2
 
 
 def fit_symmetric(groups: torch.Tensor, search: bool, importance: torch.Tensor | None = None
@@ -38,20 +61,22 @@ def fit_symmetric(groups: torch.Tensor, search: bool, importance: torch.Tensor |
     weighs each input's squared error by `importance` [1, n, g] when given."""
     index = groups.abs().argmax(dim=2, keepdim=True)
     extreme = groups.gather(2, index).squeeze(2)
-    nonzero = extreme != 0
+    # a group whose scale is 0 in float16 (|m| under about 2.4e-7) is a group of zeros
+    nonzero = float16_values(extreme / -8.0) != 0
     extreme = torch.where(nonzero, extreme, torch.ones_like(extreme))
-    best_scale = extreme / -8.0
+    best_scale = float16_values(extreme / -8.0)
     best_levels = torch.round(groups / best_scale[:, :, None]).clamp_(-8, 7)
-    if search:
-        best_gain = torch.full_like(extreme, -1.0)
+    if search:  # round-to-nearest above is the one to beat
+        best_gain = gain(groups, best_levels, best_scale, importance)
         for c in SYMMETRIC_CANDIDATES:
             levels = torch.round(groups * (-c / extreme)[:, :, None]).clamp_(-8, 7)
-            scale, gain = least_squares_scale(groups, levels, extreme / -8.0, importance)
-            better = gain > best_gain
-            best_gain = torch.where(better, gain, best_gain)
+            scale, candidate = least_squares_scale(groups, levels, best_scale, importance)
+            better = candidate > best_gain
+            best_gain = torch.where(better, candidate, best_gain)
             best_scale = torch.where(better, scale, best_scale)
             best_levels = torch.where(better[:, :, None], levels, best_levels)
     best_scale = torch.where(nonzero, best_scale, torch.ones_like(best_scale))
+    best_levels = torch.where(nonzero[:, :, None], best_levels, torch.zeros_like(best_levels))
     codes = (best_levels + SYMMETRIC_GROUP_ZERO).to(torch.uint8)
     return codes, best_scale, torch.full_like(codes[:, :, 0], SYMMETRIC_GROUP_ZERO)
 
@@ -62,23 +87,26 @@ def fit_asymmetric(groups: torch.Tensor, search: bool, importance: torch.Tensor 
     input's squared error by `importance` [1, n, g] when given."""
     lo0 = groups.amin(dim=2).clamp(max=0.0)
     hi0 = groups.amax(dim=2).clamp(min=0.0)
-    best_error = None
-    for ratio in ASYMMETRIC_RATIOS if search else (1.0,):
+
+    def rounded(ratio: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(scale, zero point, levels) of round-to-nearest over the range shrunk by `ratio`."""
         lo, hi = lo0 * ratio, hi0 * ratio
-        scale = torch.where(hi > lo, (hi - lo) / 15.0, torch.ones_like(hi))
+        scale = float16_values((hi - lo) / 15.0)
+        scale = torch.where((hi > lo) & (scale > 0), scale, torch.ones_like(hi))
         zero = torch.round(-lo / scale).clamp_(0, 15)
         levels = (torch.round(groups / scale[:, :, None]) + zero[:, :, None]).clamp_(0, 15) - zero[:, :, None]
-        if search:
-            scale, _ = least_squares_scale(groups, levels, scale, importance)
-        error = (levels * scale[:, :, None] - groups) ** 2
-        error = (error if importance is None else error * importance).sum(dim=2)
-        if best_error is None:
-            best_error, best_scale, best_zero, best_levels = error, scale, zero, levels
-            continue
-        better = error < best_error
-        best_error = torch.where(better, error, best_error)
-        best_scale = torch.where(better, scale, best_scale)
-        best_zero = torch.where(better, zero, best_zero)
-        best_levels = torch.where(better[:, :, None], levels, best_levels)
+        return scale, zero, levels
+
+    best_scale, best_zero, best_levels = rounded(1.0)  # round-to-nearest: the one to beat
+    if search:
+        best_gain = gain(groups, best_levels, best_scale, importance)
+        for ratio in ASYMMETRIC_RATIOS:
+            scale, zero, levels = rounded(ratio)
+            scale, candidate = least_squares_scale(groups, levels, scale, importance)
+            better = candidate > best_gain
+            best_gain = torch.where(better, candidate, best_gain)
+            best_scale = torch.where(better, scale, best_scale)
+            best_zero = torch.where(better, zero, best_zero)
+            best_levels = torch.where(better[:, :, None], levels, best_levels)
     codes = (best_levels + best_zero[:, :, None]).to(torch.uint8)
     return codes, best_scale, best_zero.to(torch.uint8)

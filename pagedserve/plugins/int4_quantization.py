@@ -12,8 +12,9 @@ At load time every `nn.Linear` of the model (the LM head only with `quantize_lm_
 becomes an `Int4Linear`. Its layout (`Int4Weights`), for a float weight w [out, in]:
 - the inputs are padded with zeros to `padded_in` = in rounded up to the group size, and cut
   into groups of `group_size` consecutive inputs of one output row;
-- each group has a float32 scale s and a zero point z (0..15; 8 when symmetric, not stored)
-  and each weight a 4-bit code q (0..15) with w ≈ (q - z)·s;
+- each group has a scale s, a float16 value kept in float32 (as Q4_0's and GPTQ's; the CPU
+  kernels store it as float16 once packed), and a zero point z (0..15; 8 when symmetric, not
+  stored) and each weight a 4-bit code q (0..15) with w ≈ (q - z)·s;
 - round-to-nearest (`quantize(..., search=False)`, the rules the first int4 methods used):
   symmetric: s = m / -8 where m is the group's value of largest magnitude (so m maps to code
   0, as Q4_0 does), q = clamp(round(w / s) + 8, 0, 15); the error is at most s/2, except
@@ -99,7 +100,7 @@ class Int4Weights:
     """One linear layer's weight in the int4 layout (see the module docstring)."""
 
     qweight: torch.Tensor  # uint8 [out, padded_in / 2]: two 4-bit codes a byte, Q4_0's order per 32 inputs
-    scales: torch.Tensor  # float32 [out, padded_in / group_size]: each group's scale
+    scales: torch.Tensor  # float32 [out, padded_in / group_size]: each group's scale, a float16 value
     zeros: torch.Tensor | None  # uint8 [out, padded_in / group_size]: each group's zero point; None: 8 (symmetric)
     group_size: int  # inputs per scale: a multiple of 32
     in_features: int  # the unpadded input width (the padding's codes multiply zero activations)

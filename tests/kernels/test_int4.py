@@ -214,6 +214,9 @@ def test_the_packed_product_matches_the_reference_with_the_same_bits_everywhere(
     codes, scales, zeros = pack_int4_weight(w.qweight, w.scales, w.zeros)
     assert codes.shape == (-(-n // 16), w.qweight.shape[1] // 4, 16, 4) and scales.shape == (-(-n // 16),
                                                                                             w.scales.shape[1], 16)
+    # float16 scales, each the layout's own (quantize gives float16 values: nothing is rounded)
+    assert scales.dtype == torch.float16
+    assert torch.equal(scales.float().permute(0, 2, 1).reshape(-1, w.scales.shape[1])[:n], w.scales)
     results = {}
     try:
         for isa in ("avx512vnni", "avx2", "scalar"):
@@ -231,6 +234,16 @@ def test_the_packed_product_matches_the_reference_with_the_same_bits_everywhere(
     assert bool(((results["scalar"].double() - reference(x, w, bias)).abs() <= 2e-6 * size + 1e-6).all())
     # the bias is one float add after the chain
     assert torch.equal(kernels.packed_int4_linear(x, codes, scales, zeros, n) + bias, results["avx512vnni"])
+
+
+def test_packing_rounds_scales_that_are_not_float16_values():
+    from pagedserve.kernels.cpu_packed import pack_int4_weight
+
+    qweight = torch.zeros(16, 16, dtype=torch.uint8)
+    scales = torch.tensor([[1 / 3], [1e6], [-1e6]] + [[0.5]] * 13)  # not a float16 value; past its range
+    _, packed, _ = pack_int4_weight(qweight, scales, None)
+    assert packed[0, 0, :3].tolist() == [torch.tensor(1 / 3).half().item(), 65504.0, -65504.0]
+    assert packed[0, 0, 3:].tolist() == [0.5] * 13
 
 
 def test_the_packed_module_refuses_a_wrong_depth(kernels):

@@ -69,7 +69,7 @@ void linear_rows_packed_int8(const float* x, int64_t m, int64_t in, const uint8_
 void pack_int8_rows(const int8_t* src, int64_t out, int64_t in, uint8_t* dst);
 int64_t packed_int8_bytes(int64_t out, int64_t in);
 void linear_rows_packed_int4(const float* x, int64_t m, int64_t in, int64_t kp, const uint8_t* codes,
-                             const float* scales, const uint8_t* zeros, int64_t groups, const float* bias, int64_t out,
+                             const uint16_t* scales, const uint8_t* zeros, int64_t groups, const float* bias, int64_t out,
                              float* y);
 const char* packed_int8_isa();
 bool set_packed_int8_isa(const std::string& name);
@@ -78,6 +78,11 @@ void linear_rows_int4(const float* x, int64_t m, int64_t in, const uint8_t* pack
                       float* y);  // cpu_int4_gemv.cpp
 
 namespace {
+
+// A float16 tensor's elements as their bits (the packed int4 scales).
+inline const uint16_t* half_bits(const torch::Tensor& t) {
+  return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>());
+}
 
 // The few-row products of the step, float32 or int8 weights: y[r, o] = x[r, :] · w[o, :] for
 // the m rows of x. Each weight vector is loaded once and applied to up to kMaxRows rows of x
@@ -499,7 +504,7 @@ inline void linear_any(const float* x, int64_t m, int64_t in, const torch::Tenso
   } else if (w.dim() == 4 && scale.dim() == 1) {
     linear_rows_packed_int8(x, m, in, w.data_ptr<uint8_t>(), scale.data_ptr<float>(), bias, out, y);
   } else if (w.dim() == 4) {
-    linear_rows_packed_int4(x, m, in, w.size(1) * 8, w.data_ptr<uint8_t>(), scale.data_ptr<float>(),
+    linear_rows_packed_int4(x, m, in, w.size(1) * 8, w.data_ptr<uint8_t>(), half_bits(scale),
                             zeros.defined() ? zeros.data_ptr<uint8_t>() : nullptr, scale.size(1), bias, out, y);
   } else if (scale.defined() && w.scalar_type() == at::kByte) {
     const int64_t kp = w.size(1) * 2;
@@ -527,10 +532,10 @@ void check_weight(const torch::Tensor& w, const torch::Tensor& scale, const torc
   if (w.dim() == 4 && scale.defined() && scale.dim() == 3) {
     const int64_t kp = w.size(1) * 8;
     TORCH_CHECK(w.scalar_type() == at::kByte && w.size(0) == (out + 15) / 16 && w.size(2) == 16 && w.size(3) == 4 &&
-                    scale.scalar_type() == at::kFloat && scale.size(0) == w.size(0) && scale.size(2) == 16 &&
+                    scale.scalar_type() == at::kHalf && scale.size(0) == w.size(0) && scale.size(2) == 16 &&
                     scale.size(1) > 0 && kp % scale.size(1) == 0 && (kp / scale.size(1)) % 32 == 0 && kp >= in &&
                     kp - in < kp / scale.size(1),
-                name, ": a packed int4 weight is uint8 [ceil(out / 16), padded_in / 8, 16, 4] with float32 scales "
+                name, ": a packed int4 weight is uint8 [ceil(out / 16), padded_in / 8, 16, 4] with float16 scales "
                       "[ceil(out / 16), groups, 16], groups of a multiple of 32 inputs covering ", in);
     TORCH_CHECK(!zeros.defined() || (zeros.scalar_type() == at::kByte && zeros.sizes() == scale.sizes()),
                 name, ": packed int4 zeros must be uint8 shaped as the scales");
@@ -1049,7 +1054,7 @@ torch::Tensor packed_int4_linear(torch::Tensor x, torch::Tensor codes, torch::Te
   auto y = torch::empty({xc.size(0), out}, x.options());
   torch::Tensor bc = bias.has_value() ? bias->contiguous() : torch::Tensor();
   linear_rows_packed_int4(xc.data_ptr<float>(), xc.size(0), in, codes.size(1) * 8, codes.data_ptr<uint8_t>(),
-                          scales.data_ptr<float>(), z.defined() ? z.data_ptr<uint8_t>() : nullptr, scales.size(1),
+                          half_bits(scales), z.defined() ? z.data_ptr<uint8_t>() : nullptr, scales.size(1),
                           bc.defined() ? bc.data_ptr<float>() : nullptr, out, y.data_ptr<float>());
   return y.view(sizes);
 }

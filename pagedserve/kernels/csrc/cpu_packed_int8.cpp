@@ -30,6 +30,7 @@
 //    (at most 2·128·127 = 32512: never saturated), then `vpmaddwd` by ones into int32.
 //  - `scalar`: the same sums in plain C++ (other CPUs, and the reference in tests).
 #include <ATen/Parallel.h>
+#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <cmath>
@@ -42,7 +43,7 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define PSI_X86 1
-#define PSI_AVX2 __attribute__((target("avx2,fma")))
+#define PSI_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define PSI_VNNI __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vnni")))
 #endif
 
@@ -62,7 +63,9 @@ Isa detect_isa() {
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
     return Isa::kAvx512Vnni;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::kAvx2;
+  // F16C: the int4 tiles' float16 scales (every AVX2 CPU has it; a CPU that hid it gets scalar)
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+    return Isa::kAvx2;
 #endif
   return Isa::kScalar;
 }
@@ -247,18 +250,23 @@ PSI_AVX2 void tile_avx2(const Rows& rows, int64_t r0, const uint8_t* w, int64_t 
 // The codes (0..15) of a panel are [in_p / 8, 16, 4] bytes: byte (t, j, i) holds output j's
 // code of input 8t + i in its low nibble and of input 8t + 4 + i in its high nibble, so one
 // 64-byte load, masked and shifted, is the `vpdpbusd` operand of two groups of 4 inputs (the
-// codes are unsigned already). Scales are float32 [panels, groups, 16] and zero points uint8
+// codes are unsigned already). Scales are float16 [panels, groups, 16] (as Q4_0's and GPTQ's:
+// a fifth of a group-32 panel's bytes in float32, a ninth in float16) and zero points uint8
 // [panels, groups, 16] (none: symmetric, 8). An output is
 //     y[r, o] = acc (+ bias[o]),  acc = the chain over blocks b of 32 inputs, in group g(b):
 //               acc = fma(float(S[r, o, b]), d[r, b]·scale[o, g], acc),
 //               S = Σ_{k in b} code[o, k]·q[r, k] - zero[o, g]·Σ_{k in b} q[r, k]   (exact int32)
-// with d[r, b]·scale[o, g] one rounded float32 product, in every kernel.
+// with d[r, b]·scale[o, g] one rounded float32 product (the scale widened exactly from
+// float16), in every kernel.
 struct Int4Panels {
   const uint8_t* codes;   // panel p0's codes; panels `stride` bytes apart
-  const float* scales;    // panel p0's scales; panels `groups`·16 floats apart
+  const uint16_t* scales; // panel p0's float16 scales (their bits); panels `groups`·16 apart
   const uint8_t* zeros;   // likewise, or null (symmetric)
   int64_t stride, groups, blocks_per_group;
 };
+
+// A float16's value as float32 (exact), in plain C++ for the scalar tiles.
+inline float half_to_float(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
 
 inline int32_t code_at(const uint8_t* panel, int64_t k, int j) {
   const uint8_t byte = panel[(k / 8) * 64 + j * 4 + k % 4];
@@ -278,7 +286,7 @@ void tile4_scalar(const Rows& rows, int64_t r0, const Int4Panels& w, float* c, i
           for (int64_t k = b * kBlock; k < (b + 1) * kBlock; ++k) s += q[k] * code_at(w.codes + p * w.stride, k, j);
           const int32_t zero = w.zeros ? w.zeros[at] : 8;
           s -= zero * (rows.nc[(r0 + i) * rows.nb + b] / -128);  // nc = -128·Σq
-          acc = std::fma(static_cast<float>(s), rows.d[(r0 + i) * rows.nb + b] * w.scales[at], acc);
+          acc = std::fma(static_cast<float>(s), rows.d[(r0 + i) * rows.nb + b] * half_to_float(w.scales[at]), acc);
         }
         c[i * ldc + p * kPanel + j] = acc;
       }
@@ -329,7 +337,7 @@ PSI_VNNI void tile4_vnni(const Rows& rows, int64_t r0, const Int4Panels& w, floa
 #pragma GCC unroll 8
     for (int p = 0; p < NP; ++p) {
       const int64_t at = (p * w.groups + g) * kPanel;
-      const __m512 sv = _mm512_loadu_ps(w.scales + at);
+      const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.scales + at)));
       __m512i zv = _mm512_setzero_si512();
       if constexpr (ZP) zv = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.zeros + at)));
 #pragma GCC unroll 8
@@ -404,7 +412,7 @@ PSI_AVX2 void tile4_avx2(const Rows& rows, int64_t r0, const Int4Panels& w, floa
       const int64_t at = (p * w.groups + g) * kPanel;
 #pragma GCC unroll 2
       for (int h = 0; h < 2; ++h) {
-        const __m256 sv = _mm256_loadu_ps(w.scales + at + 8 * h);
+        const __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.scales + at + 8 * h)));
         __m256i zv = _mm256_setzero_si256();
         if constexpr (ZP)
           zv = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.zeros + at + 8 * h)));
@@ -591,10 +599,10 @@ void linear_rows_packed_int8(const float* x, int64_t m, int64_t in, const uint8_
 }
 
 // y[r, o] = x[r, :] · W[o, :] (+ bias[o]) for int4 W packed as the int4 section says: codes
-// [panels, kp / 8, 16, 4] (kp: in rounded up to the group size), scales [panels, groups, 16],
-// zeros likewise or null.
+// [panels, kp / 8, 16, 4] (kp: in rounded up to the group size), float16 scales [panels,
+// groups, 16], zeros likewise (uint8) or null.
 void linear_rows_packed_int4(const float* x, int64_t m, int64_t in, int64_t kp, const uint8_t* codes,
-                             const float* scales, const uint8_t* zeros, int64_t groups, const float* bias, int64_t out,
+                             const uint16_t* scales, const uint8_t* zeros, int64_t groups, const float* bias, int64_t out,
                              float* y) {
   if (m <= 0) return;
   const Rows rows = quantize(x, m, in, kp);
