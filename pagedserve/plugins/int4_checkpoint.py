@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedserve.plugins.int4_group_fit import float16_values
 from pagedserve.plugins.int4_quantization import (
     BLOCK,
     SYMMETRIC_ZERO,
@@ -40,7 +41,6 @@ from pagedserve.plugins.int4_quantization import (
     Int4Weights,
     pack_codes,
 )
-from pagedserve.plugins.int4_group_fit import float16_values
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column AWQ_ORDER[i] of its eight
 _SHIFTS = torch.arange(8, dtype=torch.int64) * 4
