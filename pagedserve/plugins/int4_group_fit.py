@@ -39,20 +39,23 @@ def least_squares_scale(groups: torch.Tensor, levels: torch.Tensor, fallback: to
     """For integer levels L (q - z) of each group: the scale s minimising Σ a·(x - L·s)², rounded
     to float16 (`fallback` where every level is 0), and `gain` at that scale. a: `importance`,
     one weight per input broadcast over the groups (None: 1)."""
-    weighted = levels if importance is None else levels * importance
-    suml2 = (levels * weighted).sum(dim=2)
-    scale = torch.where(suml2 > 0, (groups * weighted).sum(dim=2) / suml2.clamp(min=1e-30), fallback)
-    scale = float16_values(scale)
-    return scale, gain(groups, levels, scale, importance)
+    sumlx, suml2 = _sums(groups, levels, importance)
+    scale = float16_values(torch.where(suml2 > 0, sumlx / suml2.clamp(min=1e-30), fallback))
+    return scale, 2 * scale * sumlx - scale * scale * suml2
 
 
 def gain(groups: torch.Tensor, levels: torch.Tensor, scale: torch.Tensor,
          importance: torch.Tensor | None = None) -> torch.Tensor:
     """Σ a·x² minus the squared error Σ a·(x - L·s)² of each group at scale s: larger is better."""
-    weighted = levels if importance is None else levels * importance
-    sumlx = (groups * weighted).sum(dim=2)
-    suml2 = (levels * weighted).sum(dim=2)
+    sumlx, suml2 = _sums(groups, levels, importance)
     return 2 * scale * sumlx - scale * scale * suml2
+
+
+def _sums(groups: torch.Tensor, levels: torch.Tensor, importance: torch.Tensor | None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Σ a·x·L and Σ a·L² of each group."""
+    weighted = levels if importance is None else levels * importance
+    return (groups * weighted).sum(dim=2), (levels * weighted).sum(dim=2)
 
 
 def fit_symmetric(groups: torch.Tensor, search: bool, importance: torch.Tensor | None = None
