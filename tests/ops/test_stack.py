@@ -198,6 +198,12 @@ def test_the_counters_of_one_completion_on_the_gateway_and_the_workers(stack):
     assert _total(gateway_after, "pagedserve:http_requests_total", **route) - _total(
         gateway_before, "pagedserve:http_requests_total", **route) == 1
     assert _total(gateway_after, "pagedserve:workers_alive") == NUM_WORKERS
+    # the gateway refreshes its queue gauge every 2 s (gateway/app.py's _watch_workers): a
+    # refresh taken while the request waited can still show it until the next one
+    end = time.monotonic() + 10
+    while _total(gateway_after, "pagedserve:queue_depth") != 0 and time.monotonic() < end:
+        time.sleep(0.5)
+        gateway_after = _gateway_metrics(stack)
     assert _total(gateway_after, "pagedserve:queue_depth") == 0
     # the worker counts its request when it ends, after the gateway's answer: poll briefly
     end = time.monotonic() + 10
