@@ -23,9 +23,10 @@ from compose_model import ROOT
 LOCAL_BASE_IMAGE = "local/debian:bookworm"
 LOCAL_REDIS_IMAGE = "local/redis:bookworm"
 LOCAL_PROMETHEUS_IMAGE = "local/prometheus:bookworm"
-#: seconds `up` waits for the first worker, then for all: each worker compiles the CPU kernels
-#: at its first start (7 C++ files; 57-100 s each on an AMD EPYC Zen 3, where two workers
-#: building side by side on 2 cores did not finish within the 180 s this was)
+#: seconds `up` waits for the first worker, then for all. The worker image holds the CPU
+#: kernels compiled for this machine (ops/worker.Dockerfile, PREBUILD_CPU_KERNELS); before it
+#: did, each worker compiled them at its first start, and two workers building side by side
+#: on 2 cores once took over 600 s
 READY_DEADLINE_S = 600
 
 

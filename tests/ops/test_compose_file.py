@@ -126,6 +126,19 @@ def test_the_gpu_worker_reserves_a_gpu_and_the_cpu_worker_none(compose):
     assert cpu["networks"] == {"default": {"aliases": ["worker"]}}
 
 
+def test_the_cpu_worker_image_holds_its_kernels_and_the_gpu_image_builds_none(compose):
+    """ops/worker.Dockerfile compiles the CPU kernels unless PREBUILD_CPU_KERNELS is 0: the CPU
+    service builds with the default, the GPU services (which run none) turn it off."""
+    dockerfile = (ROOT / "ops" / "worker.Dockerfile").read_text()
+    assert "ARG PREBUILD_CPU_KERNELS=1\n" in dockerfile
+    # the build runs as the worker's user, so the extension lands in the cache its workers read
+    assert dockerfile.index("USER pagedserve") < dockerfile.index("ARG PREBUILD_CPU_KERNELS")
+    assert "from pagedserve.kernels.cpu_attention import cpu_kernels" in dockerfile
+    services = compose["services"]
+    assert "PREBUILD_CPU_KERNELS" not in services["worker-cpu"]["build"]["args"]
+    assert [services[name]["build"]["args"]["PREBUILD_CPU_KERNELS"] for name in ("worker", "worker-tp")] == ["0", "0"]
+
+
 def test_profiles_plain_up_starts_gpu_workers_and_profile_cpu_only_cpu_workers(compose):
     env = dotenv()
     assert env == {"COMPOSE_PROFILES": "gpu"}
