@@ -363,7 +363,7 @@ def w4a16_cases(device, smoke, repeat, sweep_tiles: bool = False, group: int = 1
         padded = -(-k // group) * group
         qs = [torch.randint(0, 256, (n, padded // 2), generator=g, dtype=torch.uint8).to(device)
               for _ in range(_copies(n * padded // 2, smoke))]
-        ss = [(torch.rand(n, padded // group, generator=g) * 0.01).to(device) for _ in qs]
+        ss = [(torch.rand(n, padded // group, generator=g) * 0.01).half().to(device) for _ in qs]  # float16, as stored
         w16 = [torch.randn(n, k, generator=g).to(device, dtype) for _ in range(_copies(2 * n * k, smoke))]
         w8 = [torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8).to(device)
               for _ in range(_copies(n * k, smoke))]
@@ -379,7 +379,7 @@ def w4a16_cases(device, smoke, repeat, sweep_tiles: bool = False, group: int = 1
             launched = _timed(partial(w4a16_linear, x, qs[0], ss[0], None, None, group), device, repeat)
             bf16 = _graph_timed([partial(torch.nn.functional.linear, x, w) for w in w16], device, repeat)
             int8 = _graph_timed([partial(w8a16_linear, x, w, s8) for w in w8], device, repeat)
-            gbs = (n * padded // 2 + 4 * n * padded // group) / mine / 1e9
+            gbs = (n * padded // 2 + 2 * n * padded // group) / mine / 1e9
             print(f"{f'{name} M={m} N={n} K={k}':34}{rel:12.2e}{mine * 1e3:10.4f}   {gbs:.0f} GB/s of weights, "
                   f"{bf16 / mine:.2f}x bf16 ({bf16 * 1e3:.4f} ms), {int8 / mine:.2f}x w8a16 ({int8 * 1e3:.4f} ms); "
                   f"launched {launched * 1e3:.4f} ms")

@@ -34,9 +34,10 @@ SCALE_BYTES = 4  # a float32 scale
 WEIGHT_QUANTIZATION_BYTES = {"int8": 1}
 #: the int4 methods (plugins/int4_quantization.py): name → (group size, zero points). Each
 #: linear layer's inputs are padded to whole groups; per output row and group it keeps
-#: group / 2 bytes of packed codes, a float32 scale and, with zero points, a uint8 zero point.
+#: group / 2 bytes of packed codes, a float16 scale and, with zero points, a uint8 zero point.
 INT4_METHODS = {"int4": (32, False), "int4_g128": (128, False), "int4_asym": (32, True),
                 "int4_g128_asym": (128, True)}
+INT4_SCALE_BYTES = 2  # a float16 group scale
 ZERO_POINT_BYTES = 1
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -133,9 +134,9 @@ class ModelShape:
 
     def int4_linear_bytes(self, group: int, zeros: bool) -> int:
         """The decoder layers' linear layers in the int4 layout: per output row and group of
-        `group` inputs (the last one padded), group / 2 bytes of codes, a float32 scale and a
+        `group` inputs (the last one padded), group / 2 bytes of codes, a float16 scale and a
         uint8 zero point when `zeros`."""
-        per_group = group // 2 + SCALE_BYTES + (ZERO_POINT_BYTES if zeros else 0)
+        per_group = group // 2 + INT4_SCALE_BYTES + (ZERO_POINT_BYTES if zeros else 0)
         return self.num_layers * sum(out * -(-k // group) * per_group for k, out in self.linear_layers)
 
 

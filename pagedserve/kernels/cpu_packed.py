@@ -19,8 +19,7 @@ per block and one chain of FMAs over the blocks, so its bits do not depend on th
 int4 linears (`qweight`: codes two a byte in Q4_0's order, `scales` [out, groups], `zeros`
 [out, groups] or None) become `PackedInt4Linear`s in the same panels, two inputs' codes a byte
 (csrc/cpu_packed_int8.cpp's int4 section), multiplied the same way at every row count. Their
-scales are stored as float16, as Q4_0's and GPTQ's: the int4 methods and the GPTQ/AWQ loader
-give float16 values already (plugins/int4_group_fit.py), so packing rounds nothing of theirs.
+float16 scales (as Q4_0's and GPTQ's; the int4 layout's own) are regrouped by panel, unchanged.
 
 A tied LM head is the embedding, which the lookup needs as [vocab, hidden]: it stays as it
 is in the model, and the fused step packs its own copy (`pack_weight`). Outside the fused
@@ -36,7 +35,6 @@ import torch
 from torch import nn
 
 PANEL = 16  # output rows per panel (csrc/cpu_packed_gemm.cpp's kPanel)
-FLOAT16_MAX = 65504.0  # the largest finite float16: packed int4 scales are clamped to it
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -125,10 +123,10 @@ class PackedInt8Linear(nn.Module):
 
 def is_int4_linear(module: nn.Module) -> bool:
     """Whether `module` is an int4 linear (plugins/int4_quantization.py's layout: uint8
-    `qweight` [out, padded_in / 2], float32 `scales` [out, groups], `zeros` or None) on CPU."""
+    `qweight` [out, padded_in / 2], float16 `scales` [out, groups], `zeros` or None) on CPU."""
     qweight, scales = getattr(module, "qweight", None), getattr(module, "scales", None)
     return (isinstance(qweight, torch.Tensor) and isinstance(scales, torch.Tensor) and qweight.dtype == torch.uint8
-            and qweight.dim() == 2 and qweight.device.type == "cpu" and scales.dtype == torch.float32
+            and qweight.dim() == 2 and qweight.device.type == "cpu" and scales.dtype == torch.float16
             and scales.dim() == 2 and hasattr(module, "group_size"))
 
 
@@ -142,7 +140,9 @@ def pack_int4_weight(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.T
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(codes [P, padded_in / 8, 16, 4], float16 scales [P, groups, 16], zeros alike or None) of
     an int4 weight in Q4_0's order (byte i of a block of 32 inputs: input i low, input i + 16
-    high). Scales that are not float16 values are rounded to the nearest (finite) ones."""
+    high), from its float16 scales [out, groups] and zero points (uint8, alike) or None."""
+    if scales.dtype != torch.float16:
+        raise TypeError(f"int4 scales are float16 (plugins/int4_quantization.py's layout), not {scales.dtype}")
     out, padded_in = qweight.shape[0], qweight.shape[1] * 2
     blocks = qweight.view(out, padded_in // 32, 16)
     codes = torch.cat([blocks & 0x0F, blocks >> 4], dim=2).view(out, padded_in)  # codes in input order
@@ -152,8 +152,7 @@ def pack_int4_weight(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.T
     def by_panel(t: torch.Tensor) -> torch.Tensor:
         return _panels(t).view(-1, PANEL, t.shape[1]).permute(0, 2, 1).contiguous()
 
-    half = scales.float().clamp(-FLOAT16_MAX, FLOAT16_MAX).half()
-    return packed, by_panel(half), None if zeros is None else by_panel(zeros)
+    return packed, by_panel(scales), None if zeros is None else by_panel(zeros)
 
 
 class PackedInt4Linear(nn.Module):

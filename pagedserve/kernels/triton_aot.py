@@ -337,7 +337,8 @@ def engine_launches(dtypes=(torch.bfloat16, torch.float16, torch.float32), block
             add(f"{_TYPE_NAMES[dtype]} {name} w8a16 M={'/'.join(map(str, GEMM_ROWS))}", launches)
             for group in INT4_GROUPS:
                 padded = -(-hidden // group) * group
-                qweight, scales = torch.empty(qkv, padded // 2, dtype=torch.uint8), torch.empty(qkv, padded // group)
+                qweight = torch.empty(qkv, padded // 2, dtype=torch.uint8)
+                scales = torch.empty(qkv, padded // group, dtype=torch.float16)
                 for zeros in (None, torch.empty(qkv, padded // group, dtype=torch.uint8)):
                     with recording() as launches:
                         for m in GEMM_ROWS:

@@ -2,8 +2,8 @@
 bfloat16 or float32 [M, K] and W in the int4 layout of plugins/int4_quantization.py (read
 as it is stored, nothing repacked): uint8 qweight [N, padded / 2], two 4-bit codes a byte in
 Q4_0's order (byte i of each block of 32 inputs holds input i in its low nibble, input i + 16
-in its high one), float32 scales [N, padded / group] and, asymmetric, uint8 zero points of
-the same shape (symmetric: 8). `padded` is K rounded up to the group (a multiple of 32).
+in its high one), float16 scales [N, padded / group] (widened to float32 as they are loaded)
+and, asymmetric, uint8 zero points of the same shape (symmetric: 8). `padded` is K rounded up to the group (a multiple of 32).
 
 Each program computes a [BLOCK_M, BLOCK_N] tile of y and walks K in BLOCK_K steps, BLOCK_K a
 power of two that divides the group, so a step lies in one group. A step loads BLOCK_K / 2
@@ -84,7 +84,7 @@ if triton is not None:
             # a step ends inside the padded row (BLOCK_K divides the group): no mask over K
             codes = tl.load(q_cols + (k0 // 2 + rb)[:, None], mask=n_ok[None, :], other=0)
             group = k0 // GROUP
-            scale = tl.load(scale_ptr + group_cols + group, mask=n_ok, other=0.0)
+            scale = tl.load(scale_ptr + group_cols + group, mask=n_ok, other=0.0).to(tl.float32)
             if HAS_ZERO:
                 zero = tl.load(zero_ptr + group_cols + group, mask=n_ok, other=0).to(tl.int32)
             else:
@@ -134,7 +134,7 @@ if triton is not None:
         codes = tl.load(q_ptr + rows * half + rb[None, :], mask=n_ok[:, None] & (rb < half)[None, :], other=0)
         groups = rows * (half * 2 // GROUP) + (lo // GROUP)[None, :]  # a 32-input block lies in one group
         ok = n_ok[:, None] & (lo < K)[None, :]
-        scale = tl.load(scale_ptr + groups, mask=ok, other=0.0)
+        scale = tl.load(scale_ptr + groups, mask=ok, other=0.0).to(tl.float32)
         if HAS_ZERO:
             zero = tl.load(zero_ptr + groups, mask=ok, other=0).to(tl.int32)
         else:
@@ -231,6 +231,7 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     assert group_size > 0 and group_size % BLOCK == 0, f"group size {group_size}: not a multiple of {BLOCK}"
     assert 2 * half % group_size == 0 and k <= 2 * half, f"{k} inputs do not fit {2 * half} in groups of {group_size}"
     assert scales.shape == (n, 2 * half // group_size), f"scales {tuple(scales.shape)} for {n} rows of groups"
+    assert scales.dtype == torch.float16, f"scales: float16, not {scales.dtype}"
     assert zeros is None or (zeros.dtype == torch.uint8 and zeros.shape == scales.shape), "zeros: uint8 like scales"
     shape = x.shape
     x2 = x.reshape(-1, k)
@@ -245,7 +246,7 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     splits = split_k or split_k_for(m, n, k, group_size, x.device, x.dtype)
     k_per_split = triton.cdiv(triton.cdiv(k, block_k), splits) * block_k
     splits = triton.cdiv(k, k_per_split)  # none empty
-    qweight, scales = qweight.contiguous(), scales.float().contiguous()
+    qweight, scales = qweight.contiguous(), scales.contiguous()
     zero_arg = zeros.contiguous() if zeros is not None else qweight  # unused without HAS_ZERO
     bias_arg = bias if bias is not None else scales  # unused without HAS_BIAS
     part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else y
@@ -272,10 +273,11 @@ def w4_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
     triton_ops._need_triton()
     n, half = qweight.shape
     assert scales.shape == (n, 2 * half // group_size) and in_features <= 2 * half
+    assert scales.dtype == torch.float16, f"scales: float16, not {scales.dtype}"
     w = torch.empty((n, in_features), dtype=dtype, device=qweight.device)
     block_n, block_b = 32, 64
     _w4_dequantize_kernel[(triton.cdiv(n, block_n), triton.cdiv(half, block_b))](
-        qweight.contiguous(), scales.float().contiguous(), zeros.contiguous() if zeros is not None else qweight, w,
+        qweight.contiguous(), scales.contiguous(), zeros.contiguous() if zeros is not None else qweight, w,
         n, in_features, half, GROUP=group_size, HAS_ZERO=zeros is not None, BLOCK_N=block_n, BLOCK_B=block_b)
     return w
 
@@ -328,7 +330,7 @@ def self_check(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str
             padded = -(-k // group) * group
             x = torch.randn(m, k, generator=g).to(device, dtype)
             q = torch.randint(0, 256, (n, padded // 2), generator=g, dtype=torch.uint8).to(device)
-            s = (torch.rand(n, padded // group, generator=g) * 0.01).to(device)
+            s = (torch.rand(n, padded // group, generator=g) * 0.01).half().to(device)  # float16, as stored
             z = torch.randint(0, 16, s.shape, generator=g, dtype=torch.uint8).to(device) if asym else None
             b = torch.randn(n, generator=g).to(device, dtype)
             got, want = w4a16_linear(x, q, s, z, b, group).float(), w4a16_linear_ref(x, q, s, z, b, group).float()

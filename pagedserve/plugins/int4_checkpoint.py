@@ -18,8 +18,8 @@ AWQ (AutoAWQ, `version` "gemm"):
     w[n, k] = (q - z)·s
 
 The codes, zero points and scales are moved into the int4 layout (codes transposed to
-[out, in] and packed two a byte, zero points as uint8, scales as float32 holding their float16
-values; a checkpoint that stored wider scales has them rounded to float16): no weight is
+[out, in] and packed two a byte, zero points as uint8, scales kept float16; a checkpoint that
+stored wider scales has them rounded to float16): no weight is
 dequantized to float. Only 4-bit, in-order groups that are a multiple of 32 inputs load;
 anything else is refused by `read_format` with the field that says so.
 """
@@ -128,7 +128,7 @@ def repack(fmt: CheckpointFormat, name: str, qweight: torch.Tensor, qzeros: torc
     zero_t = zeros.T.to(torch.uint8).contiguous()
     symmetric = bool((zero_t == SYMMETRIC_ZERO).all())
     return Int4Weights(qweight=pack_codes(codes.T.to(torch.uint8).contiguous()),
-                       scales=float16_values(scales.T).contiguous(), zeros=None if symmetric else zero_t,
+                       scales=float16_values(scales.T).half().contiguous(), zeros=None if symmetric else zero_t,
                        group_size=group, in_features=k)
 
 

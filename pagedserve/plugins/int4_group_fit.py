@@ -6,9 +6,8 @@ squared error, as llama.cpp's quantizers do without an importance matrix. Round-
 what every candidate has to beat, so no group gets worse. plugins/int4_quantization.py
 documents the layout and the bounds.
 
-Every scale is a float16 value (kept in a float32 tensor), as Q4_0's and GPTQ's are: the CPU
-kernels read the scales of weights packed at load as float16, which makes a group-32 layer a
-tenth smaller than float32 scales would. Round-to-nearest rounds its scale before it picks the
+Every scale is a float16 value (computed in float32; `Int4Weights` stores it as float16), as
+Q4_0's and GPTQ's are, which makes a group-32 layer a tenth smaller than float32 scales would. Round-to-nearest rounds its scale before it picks the
 codes, so its bounds hold for the scale it stores; the search rounds each candidate's
 least-squares scale and compares the errors at the rounded scales.
 """

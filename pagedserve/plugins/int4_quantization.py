@@ -12,8 +12,9 @@ At load time every `nn.Linear` of the model (the LM head only with `quantize_lm_
 becomes an `Int4Linear`. Its layout (`Int4Weights`), for a float weight w [out, in]:
 - the inputs are padded with zeros to `padded_in` = in rounded up to the group size, and cut
   into groups of `group_size` consecutive inputs of one output row;
-- each group has a scale s, a float16 value kept in float32 (as Q4_0's and GPTQ's; the CPU
-  kernels store it as float16 once packed), and a zero point z (0..15; 8 when symmetric, not
+- each group has a scale s, stored as float16 (as Q4_0's and GPTQ's: a group of 32 costs 4.5
+  bits a weight, against 5 with a float32 scale; every kernel widens it exactly to float32),
+  and a zero point z (0..15; 8 when symmetric, not
   stored) and each weight a 4-bit code q (0..15) with w ≈ (q - z)·s;
 - round-to-nearest (`quantize(..., search=False)`, the rules the first int4 methods used):
   symmetric: s = m / -8 where m is the group's value of largest magnitude (so m maps to code
@@ -100,7 +101,7 @@ class Int4Weights:
     """One linear layer's weight in the int4 layout (see the module docstring)."""
 
     qweight: torch.Tensor  # uint8 [out, padded_in / 2]: two 4-bit codes a byte, Q4_0's order per 32 inputs
-    scales: torch.Tensor  # float32 [out, padded_in / group_size]: each group's scale, a float16 value
+    scales: torch.Tensor  # float16 [out, padded_in / group_size]: each group's scale
     zeros: torch.Tensor | None  # uint8 [out, padded_in / group_size]: each group's zero point; None: 8 (symmetric)
     group_size: int  # inputs per scale: a multiple of 32
     in_features: int  # the unpadded input width (the padding's codes multiply zero activations)
@@ -143,7 +144,7 @@ def quantize(weight: torch.Tensor, group_size: int = 32, symmetric: bool = True,
     codes = torch.cat([p[0] for p in parts]).reshape(out, padded)
     scale = torch.cat([p[1] for p in parts]).contiguous()
     zero = torch.cat([p[2] for p in parts])
-    return Int4Weights(qweight=pack_codes(codes), scales=scale,
+    return Int4Weights(qweight=pack_codes(codes), scales=scale.half(),  # float16 values already: exact
                        zeros=None if symmetric else zero.contiguous(),
                        group_size=group_size, in_features=k)
 
@@ -177,7 +178,7 @@ class Int4Linear(nn.Module):
         self.group_size = weights.group_size
         self.dtype = dtype  # the activations' (the model's) dtype
         self.register_buffer("qweight", weights.qweight.contiguous())
-        self.register_buffer("scales", weights.scales.float().contiguous())
+        self.register_buffer("scales", weights.scales.to(torch.float16).contiguous())
         self.register_buffer("zeros", None if weights.zeros is None else weights.zeros.contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
@@ -269,7 +270,8 @@ def _quantized_on(weight: torch.Tensor, group_size: int, symmetric: bool, inputs
     if inputs is not None and inputs.hessian is not None:
         codes, scales, zeros = gptq_quantize(weight, inputs.hessian, group_size, symmetric, GPTQ_SEARCH,
                                              weighted_fit=GPTQ_WEIGHTED_FIT)
-        return Int4Weights(pack_codes(codes), scales, None if symmetric else zeros, group_size, weight.shape[1])
+        return Int4Weights(pack_codes(codes), scales.half(), None if symmetric else zeros, group_size,
+                           weight.shape[1])
     w = quantize(weight, group_size, symmetric, importance=None if inputs is None else inputs.squares)
     d = weight.device
     return Int4Weights(w.qweight.to(d), w.scales.to(d), None if w.zeros is None else w.zeros.to(d),

@@ -122,14 +122,14 @@ def test_int4_counts_packed_codes_group_scales_and_zero_points(config_file):
     # one decoder layer's linear weights: qkv 8192 → 10240, o 8192 → 8192, gate/up 8192 → 57344, down 28672 → 8192
     per_layer = 8192 * 10240 + 8192 * 8192 + 8192 * 57344 + 28672 * 8192
     rest = shape.num_parameters - 80 * per_layer
-    # group 32, symmetric: 16 bytes of codes and a 4-byte scale per 32 weights
+    # group 32, symmetric: 16 bytes of codes and a 2-byte (float16) scale per 32 weights
     p = plan(shape, 80 * GIB, 4096, quantization="int4")
-    assert p.weight_bytes == 80 * per_layer // 32 * (16 + 4) + rest * 2
+    assert p.weight_bytes == 80 * per_layer // 32 * (16 + 2) + rest * 2
     # group 128 with zero points: 64 bytes of codes, a scale and a zero point per 128 weights
     p128 = plan(shape, 80 * GIB, 4096, quantization="int4_g128_asym")
-    assert p128.weight_bytes == 80 * per_layer // 128 * (64 + 4 + 1) + rest * 2
-    assert plan(shape, 80 * GIB, 4096, quantization="int4_asym").weight_bytes == 80 * per_layer // 32 * 21 + rest * 2
-    # the linear layers of a 70B model: 0.625 bytes a weight at group 32, against 1 for int8
+    assert p128.weight_bytes == 80 * per_layer // 128 * (64 + 2 + 1) + rest * 2
+    assert plan(shape, 80 * GIB, 4096, quantization="int4_asym").weight_bytes == 80 * per_layer // 32 * 19 + rest * 2
+    # the linear layers of a 70B model: 0.5625 bytes a weight at group 32 (Q4_0's 4.5 bits), against 1 for int8
     assert p.weight_bytes < plan(shape, 80 * GIB, 4096, quantization="int8").weight_bytes
     assert p.num_blocks > plan(shape, 80 * GIB, 4096, quantization="int8").num_blocks
 
@@ -140,7 +140,7 @@ def test_int4_pads_each_layer_to_whole_groups(config_file):
                intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True)
     shape = ModelShape.from_path(config_file(cfg))
     qkv, o, gate_up, down = 576 + 2 * 192, 576, 2 * 1536, 576
-    per_layer = (qkv + o + gate_up) * 5 * (64 + 4) + down * 12 * (64 + 4)  # 576 inputs: 5 groups (640)
+    per_layer = (qkv + o + gate_up) * 5 * (64 + 2) + down * 12 * (64 + 2)  # 576 inputs: 5 groups (640)
     assert shape.int4_linear_bytes(128, False) == 30 * per_layer
     rest = shape.num_parameters - shape.num_linear_parameters
     assert plan(shape, GIB, 2048, dtype="float32", quantization="int4_g128").weight_bytes == 30 * per_layer + rest * 4
@@ -155,7 +155,7 @@ def test_a_gptq_checkpoint_is_counted_as_it_loads(tmp_path):
     assert shape.prequantized == (128, False) and shape.num_parameters == 8_030_261_248
     per_layer = 4096 * 6144 + 4096 * 4096 + 4096 * 28672 + 14336 * 4096
     rest = 8_030_261_248 - 32 * per_layer
-    assert plan(shape, 80 * GIB, 4096).weight_bytes == 32 * per_layer // 128 * (64 + 4) + rest * 2
+    assert plan(shape, 80 * GIB, 4096).weight_bytes == 32 * per_layer // 128 * (64 + 2) + rest * 2
 
 
 def test_plan_cli_takes_int4(config_file, capsys):

@@ -214,9 +214,9 @@ def test_the_packed_product_matches_the_reference_with_the_same_bits_everywhere(
     codes, scales, zeros = pack_int4_weight(w.qweight, w.scales, w.zeros)
     assert codes.shape == (-(-n // 16), w.qweight.shape[1] // 4, 16, 4) and scales.shape == (-(-n // 16),
                                                                                             w.scales.shape[1], 16)
-    # float16 scales, each the layout's own (quantize gives float16 values: nothing is rounded)
-    assert scales.dtype == torch.float16
-    assert torch.equal(scales.float().permute(0, 2, 1).reshape(-1, w.scales.shape[1])[:n], w.scales)
+    # the layout's own float16 scales, regrouped by panel
+    assert w.scales.dtype == scales.dtype == torch.float16
+    assert torch.equal(scales.permute(0, 2, 1).reshape(-1, w.scales.shape[1])[:n], w.scales)
     results = {}
     try:
         for isa in ("avx512vnni", "avx2", "scalar"):
@@ -236,14 +236,16 @@ def test_the_packed_product_matches_the_reference_with_the_same_bits_everywhere(
     assert torch.equal(kernels.packed_int4_linear(x, codes, scales, zeros, n) + bias, results["avx512vnni"])
 
 
-def test_packing_rounds_scales_that_are_not_float16_values():
+def test_packing_takes_float16_scales_only():
     from pagedserve.kernels.cpu_packed import pack_int4_weight
 
     qweight = torch.zeros(16, 16, dtype=torch.uint8)
-    scales = torch.tensor([[1 / 3], [1e6], [-1e6]] + [[0.5]] * 13)  # not a float16 value; past its range
-    _, packed, _ = pack_int4_weight(qweight, scales, None)
-    assert packed[0, 0, :3].tolist() == [torch.tensor(1 / 3).half().item(), 65504.0, -65504.0]
-    assert packed[0, 0, 3:].tolist() == [0.5] * 13
+    scales = torch.tensor([[1 / 3], [65504.0], [-2.0**-24]] + [[0.5]] * 13)
+    _, packed, _ = pack_int4_weight(qweight, scales.half(), None)
+    assert packed.dtype == torch.float16 and packed.shape == (1, 1, 16)
+    assert packed[0, 0, :3].tolist() == [torch.tensor(1 / 3).half().item(), 65504.0, -(2.0**-24)]
+    with pytest.raises(TypeError, match="int4 scales are float16"):
+        pack_int4_weight(qweight, scales, None)  # float32: the layout never holds it, packing does not guess
 
 
 def test_the_packed_module_refuses_a_wrong_depth(kernels):

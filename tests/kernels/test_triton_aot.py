@@ -226,11 +226,12 @@ def test_recording_sees_the_quantized_cache_and_the_gemm():
 
 
 def test_recording_sees_the_w4a16_gemm():
-    """The w4a16 launches as an int4 model's linear makes them: uint8 codes, float32 scales,
+    """The w4a16 launches as an int4 model's linear makes them: uint8 codes, float16 scales,
     uint8 zero points (a symmetric layout passes its codes in their place, unused)."""
     from pagedserve.kernels.triton_int4 import w4a16_linear
 
-    qweight, scales, zeros = torch.empty(48, 80, dtype=torch.uint8), torch.empty(48, 5), torch.empty(48, 5, dtype=torch.uint8)
+    qweight, zeros = torch.empty(48, 80, dtype=torch.uint8), torch.empty(48, 5, dtype=torch.uint8)
+    scales = torch.empty(48, 5, dtype=torch.float16)
     with recording() as launches:
         w4a16_linear(torch.empty(1, 150), qweight, scales, zeros, None, 32, split_k=2)
         w4a16_linear(torch.empty(3, 100, dtype=torch.bfloat16), qweight[:, :64], scales[:, :1], None, None, 128)
@@ -238,7 +239,7 @@ def test_recording_sees_the_w4a16_gemm():
     assert launches[0].grid == (1, 1, 2) and launches[2].grid == (1, 1, 1)  # 48 columns: one tile of 64
     names = triton_aot._jit_function(launches[0].kernel).arg_names
     signature, constexprs, _ = triton_aot.signature_of(launches[0])
-    assert signature["q_ptr"] == "*u8" and signature["scale_ptr"] == "*fp32" and signature["zero_ptr"] == "*u8"
+    assert signature["q_ptr"] == "*u8" and signature["scale_ptr"] == "*fp16" and signature["zero_ptr"] == "*u8"
     assert [constexprs[(names.index(c),)] for c in ("GROUP", "HAS_ZERO", "BLOCK_K", "DOT_PRECISION")] == [
         32, True, 32, "ieee"]
     signature, constexprs, _ = triton_aot.signature_of(launches[2])

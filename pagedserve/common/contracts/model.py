@@ -139,7 +139,7 @@ class DecoderLayerWeights:
     #: quantized weights (EngineConfig.quantization, or a GPTQ/AWQ checkpoint); None: that
     #: projection is float, in the model's dtype. int8: one float32 scale per output row of the
     #: projection of that name, whose tensor above is then int8 [out, in] (float weight =
-    #: int8 × scale). int4: float32 [out, groups], one scale per group of inputs, and the tensor
+    #: int8 × scale). int4: float16 [out, groups], one scale per group of inputs, and the tensor
     #: above is uint8 [out, padded_in / 2], two codes a byte (plugins/int4_quantization.py).
     #: Packed for the CPU products at load (kernels/cpu_packed.py), the weight tensors are
     #: float32 [ceil(out / 16), in, 16], or uint8 4-D for int8 ([ceil(out / 16), ceil(in / 32) * 8,

@@ -73,13 +73,13 @@ void linear_rows_packed_int4(const float* x, int64_t m, int64_t in, int64_t kp, 
                              float* y);
 const char* packed_int8_isa();
 bool set_packed_int8_isa(const std::string& name);
-void linear_rows_int4(const float* x, int64_t m, int64_t in, const uint8_t* packed, const float* scales,
+void linear_rows_int4(const float* x, int64_t m, int64_t in, const uint8_t* packed, const uint16_t* scales,
                       const uint8_t* zeros, int64_t kp, int64_t group, const float* bias, int64_t out,
                       float* y);  // cpu_int4_gemv.cpp
 
 namespace {
 
-// A float16 tensor's elements as their bits (the packed int4 scales).
+// A float16 tensor's elements as their bits (the int4 scales, packed or not).
 inline const uint16_t* half_bits(const torch::Tensor& t) {
   return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>());
 }
@@ -508,7 +508,7 @@ inline void linear_any(const float* x, int64_t m, int64_t in, const torch::Tenso
                             zeros.defined() ? zeros.data_ptr<uint8_t>() : nullptr, scale.size(1), bias, out, y);
   } else if (scale.defined() && w.scalar_type() == at::kByte) {
     const int64_t kp = w.size(1) * 2;
-    linear_rows_int4(x, m, in, w.data_ptr<uint8_t>(), scale.data_ptr<float>(),
+    linear_rows_int4(x, m, in, w.data_ptr<uint8_t>(), half_bits(scale),
                      zeros.defined() ? zeros.data_ptr<uint8_t>() : nullptr, kp, kp / scale.size(1), bias, out, y);
   } else if (scale.defined())
     linear_rows_int8(x, m, in, w.data_ptr<int8_t>(), scale.data_ptr<float>(), bias, out, y);
@@ -519,7 +519,7 @@ inline void linear_any(const float* x, int64_t m, int64_t in, const torch::Tenso
 }
 
 // The weight of one projection: float32 [out, in] or packed [ceil(out / 16), in, 16], int8
-// [out, in] with float32 scales [out], or int4: uint8 [out, padded_in / 2] with float32 scales
+// [out, in] with float32 scales [out], or int4: uint8 [out, padded_in / 2] with float16 scales
 // [out, groups] and optional uint8 zeros alike.
 void check_weight(const torch::Tensor& w, const torch::Tensor& scale, const torch::Tensor& zeros, int64_t out,
                   int64_t in, const char* name) {
@@ -552,9 +552,9 @@ void check_weight(const torch::Tensor& w, const torch::Tensor& scale, const torc
   if (scale.defined() && w.scalar_type() == at::kByte) {
     TORCH_CHECK(w.dim() == 2 && w.size(0) == out, name, ": int4 weight of the wrong shape");
     const int64_t kp = w.size(1) * 2;
-    TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.dim() == 2 && scale.size(0) == out && scale.size(1) > 0 &&
+    TORCH_CHECK(scale.scalar_type() == at::kHalf && scale.dim() == 2 && scale.size(0) == out && scale.size(1) > 0 &&
                     kp % scale.size(1) == 0 && (kp / scale.size(1)) % 32 == 0 && kp >= in && kp - in < kp / scale.size(1),
-                name, ": int4 scales must be float32 [out, groups], groups of a multiple of 32 inputs covering ", in);
+                name, ": int4 scales must be float16 [out, groups], groups of a multiple of 32 inputs covering ", in);
     TORCH_CHECK(!zeros.defined() || (zeros.scalar_type() == at::kByte && zeros.sizes() == scale.sizes()),
                 name, ": int4 zeros must be uint8 shaped as the scales");
     return;

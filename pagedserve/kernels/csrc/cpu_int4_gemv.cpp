@@ -3,7 +3,7 @@
 //
 // The weights are used in their load-time layout, with no repacked copy: codes q (0..15) packed
 // two per byte [out, padded_in / 2], byte i of each block of 32 inputs holding input i (low
-// nibble) and input i + 16 (high nibble); a float32 scale s and a zero point z (uint8; 8 when
+// nibble) and input i + 16 (high nibble); a float16 scale s and a zero point z (uint8; 8 when
 // the layer is symmetric and has no zeros tensor) per group of `group_size` inputs (a multiple
 // of 32), so w = (q - z)·s. The activation rows are quantized on the fly per block of 32
 // (d = max|x| / 127, xq = round(x·(127 / max|x|)), as the int8 kernels do), so a block's product
@@ -34,6 +34,7 @@
 // that many rows.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <atomic>
@@ -129,12 +130,20 @@ void quantize_rows(const float* x, int64_t m, int64_t in, int64_t kq, bool lanes
 // The weights of one call: codes, the group scales and zero points (null: symmetric).
 struct Int4Weights {
   const uint8_t* packed;  // [out, kp / 2]
-  const float* scales;    // [out, kp / group]
+  const uint16_t* scales; // [out, kp / group], float16 (their bits)
   const uint8_t* zeros;   // [out, kp / group] or null
   int64_t kp, group;
   int64_t groups() const { return kp / group; }
   uint8_t zero(int64_t o, int64_t g) const { return zeros ? zeros[o * groups() + g] : kSymmetricZero; }
-  float scale(int64_t o, int64_t g) const { return scales[o * groups() + g]; }
+  // the scale widened to float32 (exact): one vcvtph2ps where the build's CPU has F16C (every
+  // AVX2 CPU), else in C++
+  float scale(int64_t o, int64_t g) const {
+#ifdef __F16C__
+    return _cvtsh_ss(scales[o * groups() + g]);
+#else
+    return c10::detail::fp16_ieee_to_fp32_value(scales[o * groups() + g]);
+#endif
+  }
 };
 
 // ---- plain C++ ----
@@ -515,7 +524,7 @@ void run_rows(int kernel, const Int4Weights& w, const QuantizedRows& q, int64_t 
 
 // y [m, out] = x [m, in] · dequantize(w)ᵀ (+ bias) for the packed int4 layout above, by the kernel
 // selected now; output rows split across torch's intra-op threads.
-void linear_rows_int4(const float* x, int64_t m, int64_t in, const uint8_t* packed, const float* scales,
+void linear_rows_int4(const float* x, int64_t m, int64_t in, const uint8_t* packed, const uint16_t* scales,
                       const uint8_t* zeros, int64_t kp, int64_t group, const float* bias, int64_t out, float* y) {
   const int kernel = g_int4_kernel.load(std::memory_order_relaxed);
   thread_local QuantizedRows buffers;
@@ -535,9 +544,9 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
   const int64_t m = x.size(0), in = x.size(1), out = qweight.size(0), kp = qweight.size(1) * 2;
   TORCH_CHECK(group_size > 0 && group_size % kBlock == 0 && kp % group_size == 0 && kp >= in && kp - in < group_size,
               "int4_linear: group size ", group_size, " and padded width ", kp, " do not fit ", in, " inputs");
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() && scales.dim() == 2 &&
+  TORCH_CHECK(scales.scalar_type() == torch::kHalf && scales.is_contiguous() && scales.dim() == 2 &&
                   scales.size(0) == out && scales.size(1) == kp / group_size,
-              "int4_linear: scales must be contiguous float32 [out, padded_in / group_size]");
+              "int4_linear: scales must be contiguous float16 [out, padded_in / group_size]");
   const uint8_t* zp = nullptr;
   if (zeros && zeros->defined()) {
     TORCH_CHECK(zeros->scalar_type() == torch::kUInt8 && zeros->is_contiguous() && zeros->sizes() == scales.sizes(),
@@ -552,7 +561,8 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
   }
   auto y = torch::empty({m, out}, x.options());
   if (m > 0)
-    linear_rows_int4(x.data_ptr<float>(), m, in, qweight.data_ptr<uint8_t>(), scales.data_ptr<float>(), zp, kp,
+    linear_rows_int4(x.data_ptr<float>(), m, in, qweight.data_ptr<uint8_t>(),
+                     reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()), zp, kp,
                      group_size, bp, out, y.data_ptr<float>());
   return y;
 }
