@@ -92,8 +92,8 @@ def linears(model: str, rows_list: list[int], rounds: int) -> None:
     }
     bytes_ = {"float32": sum(w.numel() * 4 for w in weights),
               "int8": sum(q.numel() + s.numel() * 4 for q, s in int8),
-              "int4_g32": sum(q.qweight.numel() + q.scales.numel() * 4 for q in g32),
-              "int4_g128": sum(q.qweight.numel() + q.scales.numel() * 4 for q in g128)}
+              "int4_g32": sum(q.qweight.numel() + q.scales.numel() * q.scales.element_size() for q in g32),
+              "int4_g128": sum(q.qweight.numel() + q.scales.numel() * q.scales.element_size() for q in g128)}
     bytes_["int4_g32 per group"] = bytes_["int4_g32 dequantize"] = bytes_["int4_g32 packed"] = bytes_["int4_g32"]
     bytes_["int8 packed"] = bytes_["int8"]
     print(f"{len(shapes)} linear layers; kernels: int8 {kernels.int8_kernel()}, int4 {kernels.int4_kernel()}; "

@@ -44,7 +44,8 @@ def variant_weight(spec: str, weight: torch.Tensor, hessian: torch.Tensor, group
         settings[key] = float(value)
     codes, scales, zeros = gptq_quantize(weight, hessian, group, symmetric, bool(settings["search"]),
                                          settings["damp"], weighted_fit=bool(settings["weighted"]))
-    return dequantize(Int4Weights(pack_codes(codes), scales, None if symmetric else zeros, group, weight.shape[1]))
+    return dequantize(Int4Weights(pack_codes(codes), scales.half(), None if symmetric else zeros, group,
+                                  weight.shape[1]))
 
 
 def main() -> None:

@@ -178,7 +178,9 @@ class Int4Linear(nn.Module):
         self.group_size = weights.group_size
         self.dtype = dtype  # the activations' (the model's) dtype
         self.register_buffer("qweight", weights.qweight.contiguous())
-        self.register_buffer("scales", weights.scales.to(torch.float16).contiguous())
+        if weights.scales.dtype != torch.float16:  # never rounded here: the fits and loaders give float16
+            raise TypeError(f"int4 scales are float16, not {weights.scales.dtype}")
+        self.register_buffer("scales", weights.scales.contiguous())
         self.register_buffer("zeros", None if weights.zeros is None else weights.zeros.contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 

@@ -100,7 +100,7 @@ def _output_error(weight: torch.Tensor, x: torch.Tensor, q: Int4Weights) -> floa
 def test_gptq_error_on_its_calibration_inputs_is_below_round_to_nearest(group_size, symmetric):
     weight, x = _layer()
     codes, scales, zeros = gptq_quantize(weight, x.T @ x, group_size, symmetric)
-    fitted = Int4Weights(pack_codes(codes), scales, None if symmetric else zeros, group_size, weight.shape[1])
+    fitted = Int4Weights(pack_codes(codes), scales.half(), None if symmetric else zeros, group_size, weight.shape[1])
     gptq_error = _output_error(weight, x, fitted)
     # both data-free fits: round-to-nearest, and the scale search the methods run without calibration
     for search in (False, True):

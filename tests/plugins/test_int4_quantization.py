@@ -15,6 +15,7 @@ from pagedserve.plugins.int4_quantization import (
     Int4G128Quantization,
     Int4Linear,
     Int4Quantization,
+    Int4Weights,
     dequantize,
     int4_kernel_max_rows,
     pack_codes,
@@ -255,3 +256,12 @@ def test_tied_lm_head_gets_its_own_int4_copy():
     report = Int4Quantization().quantize(model, quantize_lm_head=True)
     assert report.lm_head and isinstance(model.lm_head, Int4Linear)
     assert isinstance(model.embed_tokens, nn.Embedding)  # the lookup stays float
+
+
+def test_the_module_keeps_float16_scales_and_refuses_others():
+    w = quantize(torch.randn(8, 64), 32)
+    assert w.scales.dtype == torch.float16
+    assert Int4Linear(w, None, torch.float32).scales.dtype == torch.float16
+    wide = Int4Weights(w.qweight, w.scales.float(), w.zeros, w.group_size, w.in_features)
+    with pytest.raises(TypeError, match="int4 scales are float16, not torch.float32"):
+        Int4Linear(wide, None, torch.float32)  # never rounded silently: a scale past 65504 would become inf

@@ -471,7 +471,7 @@ struct Layer {
   torch::Tensor input_norm, qkv, qkv_bias, q_norm, k_norm, o_proj, post_norm, gate_up, down;
   // defined: that weight is quantized. int8: the weight is int8 [out, in] and the scale float32
   // [out]; int4: the weight is uint8 [out, padded_in / 2] (cpu_int4_gemv.cpp's packing), the
-  // scale float32 [out, groups] and the zeros uint8 [out, groups] (undefined: symmetric, 8)
+  // scale float16 [out, groups] and the zeros uint8 [out, groups] (undefined: symmetric, 8)
   torch::Tensor qkv_scale, o_proj_scale, gate_up_scale, down_scale;
   torch::Tensor qkv_zeros, o_proj_zeros, gate_up_zeros, down_zeros;
 };

@@ -53,7 +53,7 @@ constexpr int64_t kPanel = 16;          // output rows per panel
 constexpr int64_t kBlock = 32;          // activation values per scale
 constexpr int64_t kPanelBlock = kPanel * kBlock;  // bytes of one panel's block of 32 inputs
 constexpr int64_t kBlockBytes = 128 << 10;  // the quantized rows one row block keeps in L2
-constexpr int64_t kPrefetchBytes = 2048;    // the panel bytes a tile prefetches ahead
+constexpr int64_t kPrefetchBytes = 2048;    // the panel bytes an AVX2 tile prefetches ahead
 // The AVX-512 tiles prefetch further ahead: at one row, the last panels of a tile then reach into
 // the next tile's (the same thread's next, at::parallel_for giving each thread a contiguous
 // range), whose first lines otherwise missed. The model's 120 linears at M = 1, 2 threads, AMD
