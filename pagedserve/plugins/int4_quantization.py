@@ -12,10 +12,9 @@ At load time every `nn.Linear` of the model (the LM head only with `quantize_lm_
 becomes an `Int4Linear`. Its layout (`Int4Weights`), for a float weight w [out, in]:
 - the inputs are padded with zeros to `padded_in` = in rounded up to the group size, and cut
   into groups of `group_size` consecutive inputs of one output row;
-- each group has a scale s, stored as float16 (as Q4_0's and GPTQ's: a group of 32 costs 4.5
-  bits a weight, against 5 with a float32 scale; every kernel widens it exactly to float32),
-  and a zero point z (0..15; 8 when symmetric, not
-  stored) and each weight a 4-bit code q (0..15) with w ≈ (q - z)·s;
+- each group has a scale s, stored as float16 (Q4_0's and GPTQ's: 4.5 bits a weight at group 32,
+  not 5 as with float32; every kernel widens it exactly), and a zero point z (0..15; 8 when
+  symmetric, not stored) and each weight a 4-bit code q (0..15) with w ≈ (q - z)·s;
 - round-to-nearest (`quantize(..., search=False)`, the rules the first int4 methods used):
   symmetric: s = m / -8 where m is the group's value of largest magnitude (so m maps to code
   0, as Q4_0 does), q = clamp(round(w / s) + 8, 0, 15); the error is at most s/2, except
@@ -272,8 +271,7 @@ def _quantized_on(weight: torch.Tensor, group_size: int, symmetric: bool, inputs
     if inputs is not None and inputs.hessian is not None:
         codes, scales, zeros = gptq_quantize(weight, inputs.hessian, group_size, symmetric, GPTQ_SEARCH,
                                              weighted_fit=GPTQ_WEIGHTED_FIT)
-        return Int4Weights(pack_codes(codes), scales.half(), None if symmetric else zeros, group_size,
-                           weight.shape[1])
+        return Int4Weights(pack_codes(codes), scales.half(), None if symmetric else zeros, group_size, weight.shape[1])
     w = quantize(weight, group_size, symmetric, importance=None if inputs is None else inputs.squares)
     d = weight.device
     return Int4Weights(w.qweight.to(d), w.scales.to(d), None if w.zeros is None else w.zeros.to(d),
