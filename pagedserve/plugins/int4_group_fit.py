@@ -7,9 +7,10 @@ what every candidate has to beat, so no group gets worse. plugins/int4_quantizat
 documents the layout and the bounds.
 
 Every scale is a float16 value (computed in float32; `Int4Weights` stores it as float16), as
-Q4_0's and GPTQ's are, which makes a group-32 layer a tenth smaller than float32 scales would. Round-to-nearest rounds its scale before it picks the
-codes, so its bounds hold for the scale it stores; the search rounds each candidate's
-least-squares scale and compares the errors at the rounded scales.
+Q4_0's and GPTQ's are, which makes a group-32 layer a tenth smaller than float32 scales would.
+Round-to-nearest rounds its scale before it picks the codes, so its bounds hold for the scale
+it stores; the search rounds each candidate's least-squares scale and compares the errors at
+the rounded scales.
 """
 
 from __future__ import annotations

@@ -135,15 +135,8 @@ struct Int4Weights {
   int64_t kp, group;
   int64_t groups() const { return kp / group; }
   uint8_t zero(int64_t o, int64_t g) const { return zeros ? zeros[o * groups() + g] : kSymmetricZero; }
-  // the scale widened to float32 (exact): one vcvtph2ps where the build's CPU has F16C (every
-  // AVX2 CPU), else in C++
-  float scale(int64_t o, int64_t g) const {
-#ifdef __F16C__
-    return _cvtsh_ss(scales[o * groups() + g]);
-#else
-    return c10::detail::fp16_ieee_to_fp32_value(scales[o * groups() + g]);
-#endif
-  }
+  // the scale widened to float32 (exact; c10 uses vcvtph2ps where the build's CPU has F16C)
+  float scale(int64_t o, int64_t g) const { return c10::detail::fp16_ieee_to_fp32_value(scales[o * groups() + g]); }
 };
 
 // ---- plain C++ ----
