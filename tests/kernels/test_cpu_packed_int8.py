@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from int8_reference import assert_equals_the_reference
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="the CPU kernels need a C++ compiler")
 
-ISAS = ("avx512vnni", "avx2", "scalar")
+ISAS = ("avx512vnni", "avxvnni", "avx2", "scalar")
 
 
 @contextlib.contextmanager
@@ -81,6 +82,22 @@ def test_threads_do_not_change_the_bits():
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)
+
+
+def test_a_forced_kernel_falls_back_to_the_best_this_cpu_runs_below_it():
+    """The order is avx512vnni, avxvnni, avx2, scalar, and a CPU need not have every kernel
+    below its best (an AMD Zen 4 has AVX-512 VNNI and no AVX-VNNI): each name gives the best
+    the CPU's flags allow at or below it."""
+    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
+    avx2 = {"avx2", "fma", "f16c"} <= flags
+    runs = {"avx512vnni": avx2 and {"avx512f", "avx512bw", "avx512_vnni"} <= flags,
+            "avxvnni": avx2 and "avx_vnni" in flags, "avx2": avx2, "scalar": True}
+    for forced in ISAS:
+        expected = next(name for name in ISAS[ISAS.index(forced):] if runs[name])
+        with _isa(forced):
+            assert cpu_kernels().packed_int8_isa() == expected, forced
+    with pytest.raises(RuntimeError, match="avx512vnni, avxvnni, avx2 or scalar"):
+        cpu_kernels().set_packed_int8_isa("avx512")
 
 
 def test_extreme_weights_and_zero_rows_are_exact():

@@ -219,7 +219,7 @@ def test_the_packed_product_matches_the_reference_with_the_same_bits_everywhere(
     assert torch.equal(scales.permute(0, 2, 1).reshape(-1, w.scales.shape[1])[:n], w.scales)
     results = {}
     try:
-        for isa in ("avx512vnni", "avx2", "scalar"):
+        for isa in ("avx512vnni", "avxvnni", "avx2", "scalar"):
             kernels.set_packed_int8_isa(isa)
             results[isa] = kernels.packed_int4_linear(x, codes, scales, zeros, n, bias)
             for m in (1, 2, 3, 5, 8):

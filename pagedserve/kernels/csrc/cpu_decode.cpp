@@ -1096,6 +1096,6 @@ void bind_cpu_packed_gemm(pybind11::module& m) {
         "the packed int8 product's kernel in use: avx512vnni, avx2 or scalar");
   m.def("set_packed_int8_isa", [](const std::string& name) {
     TORCH_CHECK(set_packed_int8_isa(name),
-                "set_packed_int8_isa: avx512vnni, avx2 or scalar (the best this CPU runs is used when asked for more)");
+                "set_packed_int8_isa: avx512vnni, avxvnni, avx2 or scalar (the best this CPU runs at or below it is used)");
   }, "at most this kernel (tests compare them); every kernel gives the same bits", pybind11::arg("name"));
 }
