@@ -1,7 +1,7 @@
 """int4 against int8 and float32 on CPU, interleaved round by round in one process.
 
     python benchmarks/int4_ab.py [--rounds 5] [--tokens 32] [--threads 2] [--rows 1,16,64] [--batches 1]
-                                 [--quantize-lm-head]
+                                 [--quantize-lm-head] [--isa avx512vnni|avxvnni|avx2]
 
 Two measurements, on the default model's shapes (or `--model`'s):
 - `linears`: one pass over the model's linear layers (qkv, o, gate_up, down of every layer)
@@ -16,6 +16,10 @@ Two measurements, on the default model's shapes (or `--model`'s):
   default), every one with its decode steps in the fused C++ step, for each batch of
   `--batches` (that many 1-token prompts at once; `int4 eager`, without the fused step, at
   batch 1 only).
+`--isa` forces the packed products' kernels for the whole run (csrc/cpu_packed_int8.cpp's
+`set_packed_int8_isa` for int8 and int4, and AVX2 for the float32 product below
+`avx512vnni`), to estimate a CPU without AVX-512 on one that has it; the line it prints
+names the kernels that ran (a CPU runs the best it has at or below the one asked for).
 The int4 engines need the int4 entry points installed (pip install -e . after the merge).
 """
 
@@ -152,8 +156,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", choices=["linears", "decode"], default=None)
     parser.add_argument("--quantize-lm-head", action="store_true", help="decode: the quantized engines' LM head too")
     parser.add_argument("--batches", default="1", help="decode: the batch sizes, comma-separated")
+    parser.add_argument("--isa", choices=["avx512vnni", "avxvnni", "avx2"], default=None,
+                        help="force the packed products' kernels (see the module docstring)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.isa:
+        from pagedserve.kernels.cpu_attention import cpu_kernels
+
+        kernels = cpu_kernels()
+        kernels.set_packed_int8_isa(args.isa)
+        kernels.set_packed_linear_isa("avx512" if args.isa == "avx512vnni" else "avx2")
+        print(f"kernels forced: float32 {kernels.packed_linear_isa()}, int8 and int4 {kernels.packed_int8_isa()}")
     if args.only in (None, "linears"):
         linears(args.model, [int(r) for r in args.rows.split(",")], args.rounds)
     if args.only in (None, "decode"):

@@ -49,6 +49,7 @@ def run_pagedserve(args, prompts, out_lens):
     # rest of ModelRunner.run (batch building, the LM head, sampling), and everything else
     # (scheduling, detokenizing, bookkeeping).
     spent = {"forward": 0.0, "runner": 0.0}
+    calls = {"forward": 0, "runner": 0}
     model_forward = engine.runner.model.forward
     runner_run = engine.runner.run
     fused = engine.runner.fused_decoder
@@ -58,6 +59,7 @@ def run_pagedserve(args, prompts, out_lens):
             t = time.perf_counter()
             result = fn(*a, **kw)
             spent[key] += time.perf_counter() - t
+            calls[key] += 1
             return result
         return wrapper
 
@@ -71,7 +73,8 @@ def run_pagedserve(args, prompts, out_lens):
     del engine.runner.model.forward, engine.runner.run
     if fused is not None:
         del fused.forward
-    extra: dict[str, Any] = {"outside_forward_share": 1 - spent["forward"] / elapsed, "outside_runner_share": 1 - spent["runner"] / elapsed}
+    extra: dict[str, Any] = {"outside_forward_share": 1 - spent["forward"] / elapsed, "outside_runner_share": 1 - spent["runner"] / elapsed,
+                             "model_steps": calls["runner"]}  # the runner's steps (each one batch through the model)
     ttft = [o.metrics.time_to_first_token for o in outs]
     e2e = [o.metrics.finished_time - o.metrics.arrival_time for o in outs]
     tpot = [(f - t) / (len(o.outputs[0].token_ids) - 1) for o, f, t in zip(outs, e2e, ttft) if len(o.outputs[0].token_ids) > 1]
