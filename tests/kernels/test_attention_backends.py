@@ -44,20 +44,23 @@ def test_backend_matches_dense_reference(backend_cls, dtype, shape):
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_vector_decode_path_matches_the_reference_and_ignores_the_batch(head_dim):
-    """The float32 decode kernel's AVX2 path (head_dim 64 and 128): contexts around the groups
-    of eight keys it scores at once and the 16-token blocks (1, 7, 8, 9, 16, 17, 150), GQA 3,
-    against the float64 reference; and each sequence's rows are the same bits alone as in the
-    batch (its own blocks, whatever else shares the call)."""
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_vector_decode_path_matches_the_reference_and_ignores_the_batch(head_dim, block_size):
+    """The float32 decode kernel's vector path (AVX-512 where the build has it, else AVX2;
+    head_dim 64 and 128): contexts around the groups of 8 or 16 keys it scores at once and the
+    blocks (1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 150), GQA 3, against the float64 reference; and
+    each sequence's rows are the same bits alone as in the batch (its own blocks, whatever else
+    shares the call)."""
     if cpu_kernels() is None:
         pytest.skip("the CPU kernel could not be built here")
-    lens = [1, 7, 8, 9, 16, 17, 150]
-    query, key, value, kv_cache, metadata = build_batch([1] * len(lens), lens, 9, 3, head_dim, 16, torch.float32)
+    lens = [1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 150]
+    query, key, value, kv_cache, metadata = build_batch([1] * len(lens), lens, 9, 3, head_dim, block_size,
+                                                        torch.float32)
     scale = head_dim**-0.5
-    expected = dense_reference(query, key, value, kv_cache, metadata, 16, scale)
+    expected = dense_reference(query, key, value, kv_cache, metadata, block_size, scale)
     backend = CPUAttentionBackend()
     metadata.backend = backend
-    backend.prepare(metadata, 16)
+    backend.prepare(metadata, block_size)
     out = backend.forward(query, key, value, kv_cache, metadata, scale)
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
     tables, seq_lens = metadata.block_tables, metadata.seq_lens
