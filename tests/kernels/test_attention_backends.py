@@ -43,16 +43,24 @@ def test_backend_matches_dense_reference(backend_cls, dtype, shape):
     assert torch.equal(stored, key)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("block_size", [16, 32])
-def test_vector_decode_path_matches_the_reference_and_ignores_the_batch(head_dim, block_size):
-    """The float32 decode kernel's vector path (AVX-512 where the build has it, else AVX2;
-    head_dim 64 and 128): contexts around the groups of 8 or 16 keys it scores at once and the
-    blocks (1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 150), GQA 3, against the float64 reference; and
-    each sequence's rows are the same bits alone as in the batch (its own blocks, whatever else
-    shares the call)."""
+@pytest.fixture(params=["avx512", "avx2"])
+def attention_isa(request):
+    """The float32 decode attention's vector path for one test: the AVX-512 one where the build
+    has it (else the AVX2 one runs again), and the AVX2 one; AVX-512 restored after."""
     if cpu_kernels() is None:
         pytest.skip("the CPU kernel could not be built here")
+    yield cpu_kernels().set_decode_attention_isa(request.param)
+    cpu_kernels().set_decode_attention_isa("avx512")
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_vector_decode_path_matches_the_reference_and_ignores_the_batch(attention_isa, head_dim, block_size):
+    """The float32 decode kernel's vector paths (AVX-512 where the build has it, and AVX2; head_dim
+    64 and 128): contexts around the groups of 8 or 16 keys they score at once and the blocks
+    (1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 150), GQA 3, against the float64 reference; and each
+    sequence's rows are the same bits alone as in the batch (its own blocks, whatever else
+    shares the call). A build without AVX2 + FMA runs its generic loops for both."""
     lens = [1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 150]
     query, key, value, kv_cache, metadata = build_batch([1] * len(lens), lens, 9, 3, head_dim, block_size,
                                                         torch.float32)

@@ -1093,7 +1093,7 @@ void bind_cpu_packed_gemm(pybind11::module& m) {
         pybind11::arg("zeros"), pybind11::arg("out"), pybind11::arg("bias") = pybind11::none());
   m.def("pack_int8_weight", &pack_int8_weight, "int8 [out, in] → uint8 [ceil(out / 16), ceil(in / 32) * 8, 16, 4]");
   m.def("packed_int8_isa", []() { return std::string(packed_int8_isa()); },
-        "the packed int8 product's kernel in use: avx512vnni, avx2 or scalar");
+        "the packed int8 product's kernel in use: avx512vnni, avxvnni, avx2 or scalar");
   m.def("set_packed_int8_isa", [](const std::string& name) {
     TORCH_CHECK(set_packed_int8_isa(name),
                 "set_packed_int8_isa: avx512vnni, avxvnni, avx2 or scalar (the best this CPU runs at or below it is used)");

@@ -9,6 +9,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
                                      torch::Tensor block_tables, torch::Tensor seq_lens, double scale);
 void store_kv_int8(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
                    torch::Tensor slots);
+std::string set_decode_attention_isa(const std::string& name);
 void bind_cpu_decode(pybind11::module& m);
 void bind_cpu_int8_gemv(pybind11::module& m);
 void bind_cpu_int4_gemv(pybind11::module& m);
@@ -18,6 +19,9 @@ void bind_cpu_packed_gemm(pybind11::module& m);
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (CPU)");
   m.def("store_kv_int8", &store_kv_int8, "float32 K/V → int8 KV cache rows (values, then the float32 scale)");
+  m.def("set_decode_attention_isa", &set_decode_attention_isa,
+        "the float32 decode attention's vector path: avx512 (where built) or avx2; returns the one in use",
+        pybind11::arg("name"));
   bind_cpu_decode(m);
   bind_cpu_int8_gemv(m);
   bind_cpu_int4_gemv(m);

@@ -206,24 +206,39 @@ PSI_VNNI void tile_vnni(const Rows& rows, int64_t r0, const uint8_t* w, int64_t 
     for (int p = 0; p < NP; ++p) _mm512_storeu_ps(c + i * ldc + p * kPanel, acc[i][p]);
 }
 
+// The end of block b in the 256-bit int8 tiles, for the MR rows of one panel:
+// acc[i][h] += float(s[i][h])·d[row i, block b]; and a tile's accumulators stored to c.
+template <int MR>
+PSI_AVX2 PSI_INLINE void finish_block8_256(const float* d, int64_t nb, int64_t b, const __m256i s[][2],
+                                           __m256 acc[][2]) {
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) {
+    const __m256 dv = _mm256_set1_ps(d[i * nb + b]);
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i][h]), dv, acc[i][h]);
+  }
+}
+
+template <int MR, int NP>
+PSI_AVX2 PSI_INLINE void store_tile_256(const __m256 acc[][MR][2], float* c, int64_t ldc) {
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+    for (int p = 0; p < NP; ++p) {
+      _mm256_storeu_ps(c + i * ldc + p * kPanel, acc[p][i][0]);
+      _mm256_storeu_ps(c + i * ldc + p * kPanel + 8, acc[p][i][1]);
+    }
+}
+
 template <int MR, int NP>
 PSI_AVX2 void tile_avx2(const Rows& rows, int64_t r0, const uint8_t* w, int64_t panel_stride, float* c,
                         int64_t ldc) {
   const __m256i c128 = _mm256_set1_epi8(static_cast<char>(0x80));
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[MR][NP][2];
-#pragma GCC unroll 8
-  for (int i = 0; i < MR; ++i)
-#pragma GCC unroll 8
-    for (int p = 0; p < NP; ++p) acc[i][p][0] = acc[i][p][1] = _mm256_setzero_ps();
+  __m256 acc[NP][MR][2] = {};
   const int8_t* q = rows.q + r0 * rows.kp;
-  const float* d = rows.d + r0 * rows.nb;
   for (int64_t b = 0; b < rows.nb; ++b) {
-    __m256i s[MR][NP][2];
-#pragma GCC unroll 8
-    for (int i = 0; i < MR; ++i)
-#pragma GCC unroll 8
-      for (int p = 0; p < NP; ++p) s[i][p][0] = s[i][p][1] = _mm256_setzero_si256();
+    __m256i s[NP][MR][2] = {};
     const uint8_t* wb = w + b * kPanelBlock;
 #pragma GCC unroll 8
     for (int t = 0; t < kBlock / 4; ++t) {
@@ -246,26 +261,14 @@ PSI_AVX2 void tile_avx2(const Rows& rows, int64_t r0, const uint8_t* w, int64_t 
         for (int p = 0; p < NP; ++p)
 #pragma GCC unroll 2
           for (int h = 0; h < 2; ++h)
-            s[i][p][h] = _mm256_add_epi32(
-                s[i][p][h], _mm256_madd_epi16(_mm256_maddubs_epi16(wa[p][h], _mm256_sign_epi8(xv, ws[p][h])), ones));
+            s[p][i][h] = _mm256_add_epi32(
+                s[p][i][h], _mm256_madd_epi16(_mm256_maddubs_epi16(wa[p][h], _mm256_sign_epi8(xv, ws[p][h])), ones));
       }
     }
 #pragma GCC unroll 8
-    for (int i = 0; i < MR; ++i) {
-      const __m256 dv = _mm256_set1_ps(d[i * rows.nb + b]);
-#pragma GCC unroll 8
-      for (int p = 0; p < NP; ++p)
-#pragma GCC unroll 2
-        for (int h = 0; h < 2; ++h) acc[i][p][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i][p][h]), dv, acc[i][p][h]);
-    }
+    for (int p = 0; p < NP; ++p) finish_block8_256<MR>(rows.d + r0 * rows.nb, rows.nb, b, s[p], acc[p]);
   }
-#pragma GCC unroll 8
-  for (int i = 0; i < MR; ++i)
-#pragma GCC unroll 8
-    for (int p = 0; p < NP; ++p) {
-      _mm256_storeu_ps(c + i * ldc + p * kPanel, acc[i][p][0]);
-      _mm256_storeu_ps(c + i * ldc + p * kPanel + 8, acc[i][p][1]);
-    }
+  store_tile_256<MR, NP>(acc, c, ldc);
 }
 
 // The `avx512vnni` tile on 256 bits: each panel is two halves of 8 outputs (bytes 0-31 and
@@ -273,21 +276,16 @@ PSI_AVX2 void tile_avx2(const Rows& rows, int64_t r0, const uint8_t* w, int64_t 
 template <int MR, int NP>
 PSI_AVXVNNI void tile_avxvnni(const Rows& rows, int64_t r0, const uint8_t* w, int64_t panel_stride, float* c,
                               int64_t ldc) {
-  __m256 acc[MR][NP][2];
-#pragma GCC unroll 8
-  for (int i = 0; i < MR; ++i)
-#pragma GCC unroll 8
-    for (int p = 0; p < NP; ++p) acc[i][p][0] = acc[i][p][1] = _mm256_setzero_ps();
+  __m256 acc[NP][MR][2] = {};
   const int8_t* q = rows.q + r0 * rows.kp;
-  const float* d = rows.d + r0 * rows.nb;
   const int32_t* nc = rows.nc + r0 * rows.nb;
   for (int64_t b = 0; b < rows.nb; ++b) {
-    __m256i s[MR][NP][2];
+    __m256i s[NP][MR][2];
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
       const __m256i start = _mm256_set1_epi32(nc[i * rows.nb + b]);
 #pragma GCC unroll 8
-      for (int p = 0; p < NP; ++p) s[i][p][0] = s[i][p][1] = start;
+      for (int p = 0; p < NP; ++p) s[p][i][0] = s[p][i][1] = start;
     }
     const uint8_t* wb = w + b * kPanelBlock;
 #pragma GCC unroll 8
@@ -308,25 +306,13 @@ PSI_AVXVNNI void tile_avxvnni(const Rows& rows, int64_t r0, const uint8_t* w, in
 #pragma GCC unroll 8
         for (int p = 0; p < NP; ++p)
 #pragma GCC unroll 2
-          for (int h = 0; h < 2; ++h) s[i][p][h] = _mm256_dpbusd_avx_epi32(s[i][p][h], wv[p][h], xv);
+          for (int h = 0; h < 2; ++h) s[p][i][h] = _mm256_dpbusd_avx_epi32(s[p][i][h], wv[p][h], xv);
       }
     }
 #pragma GCC unroll 8
-    for (int i = 0; i < MR; ++i) {
-      const __m256 dv = _mm256_set1_ps(d[i * rows.nb + b]);
-#pragma GCC unroll 8
-      for (int p = 0; p < NP; ++p)
-#pragma GCC unroll 2
-        for (int h = 0; h < 2; ++h) acc[i][p][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i][p][h]), dv, acc[i][p][h]);
-    }
+    for (int p = 0; p < NP; ++p) finish_block8_256<MR>(rows.d + r0 * rows.nb, rows.nb, b, s[p], acc[p]);
   }
-#pragma GCC unroll 8
-  for (int i = 0; i < MR; ++i)
-#pragma GCC unroll 8
-    for (int p = 0; p < NP; ++p) {
-      _mm256_storeu_ps(c + i * ldc + p * kPanel, acc[i][p][0]);
-      _mm256_storeu_ps(c + i * ldc + p * kPanel + 8, acc[i][p][1]);
-    }
+  store_tile_256<MR, NP>(acc, c, ldc);
 }
 #endif
 
@@ -479,16 +465,6 @@ PSI_AVX2 PSI_INLINE void finish_block4_256(const Rows& rows, int64_t r0, int64_t
   }
 }
 
-template <int MR, int NP>
-PSI_AVX2 PSI_INLINE void store_tile_256(const __m256 acc[][MR][2], float* c, int64_t ldc) {
-#pragma GCC unroll 8
-  for (int i = 0; i < MR; ++i)
-#pragma GCC unroll 8
-    for (int p = 0; p < NP; ++p) {
-      _mm256_storeu_ps(c + i * ldc + p * kPanel, acc[p][i][0]);
-      _mm256_storeu_ps(c + i * ldc + p * kPanel + 8, acc[p][i][1]);
-    }
-}
 
 // AVX2: `vpmaddubsw` of the codes (unsigned, at most 15) by q (signed): pairs of at most
 // 2·15·127 = 3810 in int16, never saturated; then `vpmaddwd` by ones into int32.

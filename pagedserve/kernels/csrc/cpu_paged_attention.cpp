@@ -180,7 +180,7 @@ inline void values_avx2(const float* p, const float* vp, int64_t stride, int64_t
 
 // One block of n rows of a float32 cache for the `group` query rows of one KV head: the
 // online-softmax step of the generic attend_block below, on vectors. qf, acc: `group` rows
-// of D; mx, sum: one per row; probs: `group` rows of `padded` (the block rounded up to 8).
+// of D; mx, sum: one per row; probs: `group` rows of `padded` (the block rounded up to 16).
 template <int64_t D>
 void attend_block_avx2(const float* qf, const float* kp, const float* vp, int64_t stride, int64_t n, bool first,
                        int64_t group, int64_t padded, float* probs, float* acc, float* mx, float* sum) {
@@ -213,6 +213,9 @@ void attend_block_avx2(const float* qf, const float* kp, const float* vp, int64_
 
 using VectorBlockFn = void (*)(const float*, const float*, const float*, int64_t, int64_t, bool, int64_t, int64_t,
                                float*, float*, float*, float*);
+
+// The AVX-512 step below where the build has it; false: the AVX2 one (tests run both).
+bool use_avx512_attention = true;
 
 #if defined(__AVX512F__)
 // The same block step on AVX-512 (a -march=native build on a CPU with it): sixteen keys'
@@ -337,12 +340,13 @@ void decode_attention(const T* q, const C* k_cache, const C* v_cache, const int3
 #if defined(__AVX2__) && defined(__FMA__)
   // the vector path: float32 queries and cache, head_dim 64 or 128
   VectorBlockFn vector_block = nullptr;
-  if constexpr (std::is_same_v<T, float> && std::is_same_v<C, float>)
-#if defined(__AVX512F__)
-    vector_block = head_dim == 64 ? attend_block_avx512<64> : head_dim == 128 ? attend_block_avx512<128> : nullptr;
-#else
+  if constexpr (std::is_same_v<T, float> && std::is_same_v<C, float>) {
     vector_block = head_dim == 64 ? attend_block_avx2<64> : head_dim == 128 ? attend_block_avx2<128> : nullptr;
+#if defined(__AVX512F__)
+    if (use_avx512_attention)
+      vector_block = head_dim == 64 ? attend_block_avx512<64> : head_dim == 128 ? attend_block_avx512<128> : nullptr;
 #endif
+  }
 #endif
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * head_dim), acc(group * head_dim), probs(group * padded), mx(group), sum(group);
@@ -575,4 +579,21 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
     }
   });
   return out;
+}
+
+// The float32 decode attention's vector path: "avx512" (where the build has AVX-512) or "avx2";
+// returns the one now in use. The two give different bits (other summation orders), each
+// batch-invariant; tests compare both with the reference.
+std::string set_decode_attention_isa(const std::string& name) {
+  TORCH_CHECK(name == "avx512" || name == "avx2", "set_decode_attention_isa: avx512 or avx2");
+#if defined(__AVX2__) && defined(__FMA__)
+  use_avx512_attention = name == "avx512";
+#if defined(__AVX512F__)
+  return use_avx512_attention ? "avx512" : "avx2";
+#else
+  return "avx2";
+#endif
+#else
+  return "scalar";
+#endif
 }
