@@ -556,8 +556,8 @@ PSI_AVXVNNI void tile4_avxvnni(const Rows& rows, int64_t r0, const Int4Panels& w
 // panels' weights and a broadcast; int4 needs two code vectors a panel. AVX2 has 16 ymm and
 // two of each a panel. AVX-VNNI needs no sign or ones vectors: 4 rows' int32 sums (8 ymm),
 // a panel's two weight halves and a broadcast stay in registers, and the float accumulators
-// wait in L1 between blocks (4 rows took 5-7% less time than 3 at 4-256 rows, and 3 than 2,
-// on an Intel Xeon with AVX-512 and AVX-VNNI, these tiles forced).
+// wait in L1 between blocks (4 rows took 4-7% less time than 3 at 4-256 rows on an Intel Xeon
+// with AVX-512 and AVX-VNNI, these tiles forced; 2 rows were not timed).
 struct Int8Tiles {
   using Fn = void (*)(const Rows&, int64_t, const uint8_t*, int64_t, float*, int64_t);
   static constexpr int max_rows(Isa isa) { return isa == Isa::kAvx2 ? 2 : 4; }
