@@ -466,89 +466,59 @@ PSI_AVX2 PSI_INLINE void finish_block4_256(const Rows& rows, int64_t r0, int64_t
 }
 
 
-// AVX2: `vpmaddubsw` of the codes (unsigned, at most 15) by q (signed): pairs of at most
-// 2·15·127 = 3810 in int16, never saturated; then `vpmaddwd` by ones into int32.
-template <int MR, int NP, bool ZP>
-PSI_AVX2 void tile4_avx2(const Rows& rows, int64_t r0, const Int4Panels& w, float* c, int64_t ldc) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[NP][MR][2] = {};
-  const int8_t* q = rows.q + r0 * rows.kp;
-  for (int64_t b = 0; b < rows.nb; ++b) {
-    __m256i s[NP][MR][2];
-#pragma GCC unroll 8
-    for (int p = 0; p < NP; ++p) start_block4_256<MR, ZP>(rows, r0, b, s[p]);
-    const uint8_t* wb = w.codes + b * (kPanelBlock / 2);
-#pragma GCC unroll 4
-    for (int t = 0; t < kBlock / 8; ++t) {
-      __m256i lo[NP][2], hi[NP][2];
-#pragma GCC unroll 8
-      for (int p = 0; p < NP; ++p) {
-        _mm_prefetch(reinterpret_cast<const char*>(wb + p * w.stride + t * 64) + kPrefetchBytes, _MM_HINT_T0);
-#pragma GCC unroll 2
-        for (int h = 0; h < 2; ++h) codes_half_256(wb + p * w.stride + t * 64, h, lo[p][h], hi[p][h]);
-      }
-#pragma GCC unroll 8
-      for (int i = 0; i < MR; ++i) {
-        int32_t first, second;
-        std::memcpy(&first, q + i * rows.kp + b * kBlock + t * 8, 4);
-        std::memcpy(&second, q + i * rows.kp + b * kBlock + t * 8 + 4, 4);
-        const __m256i x0 = _mm256_set1_epi32(first), x1 = _mm256_set1_epi32(second);
-#pragma GCC unroll 8
-        for (int p = 0; p < NP; ++p)
-#pragma GCC unroll 2
-          for (int h = 0; h < 2; ++h)
-            s[p][i][h] = _mm256_add_epi32(
-                s[p][i][h], _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo[p][h], x0),
-                                                               _mm256_maddubs_epi16(hi[p][h], x1)), ones));
-      }
-    }
-    const int64_t g = b / w.blocks_per_group;
-#pragma GCC unroll 8
-    for (int p = 0; p < NP; ++p) finish_block4_256<MR, ZP>(rows, r0, b, w, (p * w.groups + g) * kPanel, s[p], acc[p]);
+// PSI_TILE4_256(name, target, product) defines the AVX2 and the AVX-VNNI int4 tile: the same
+// loop, each compiled for its own target only. Per group of 8 inputs, one half of the panels
+// at a time (its codes and one row's broadcasts live, beside the rows' int32 sums), and
+// PRODUCT(s, lo, hi, x0, x1): s plus the products of the half's codes of inputs 0-3 (lo) and
+// 4-7 (hi) by the row's two groups of 4 values. The float accumulators wait in L1 between
+// blocks.
+//  - AVX2: `vpmaddubsw` of the codes (unsigned, at most 15) by q (signed): pairs of at most
+//    2·15·127 = 3810 in int16, never saturated; then `vpmaddwd` by ones into int32.
+//  - AVX-VNNI: two `vpdpbusd` (VEX), codes unsigned by q signed, straight into int32; without
+//    AVX2's ones vector 16 ymm hold the sums of 4 rows.
+#define PSI_TILE4_256(NAME, TARGET, PRODUCT)                                                                          \
+  template <int MR, int NP, bool ZP>                                                                                  \
+  TARGET void NAME(const Rows& rows, int64_t r0, const Int4Panels& w, float* c, int64_t ldc) {                        \
+    [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);                                                       \
+    __m256 acc[NP][MR][2] = {};                                                                                       \
+    const int8_t* q = rows.q + r0 * rows.kp;                                                                          \
+    for (int64_t b = 0; b < rows.nb; ++b) {                                                                           \
+      __m256i s[NP][MR][2];                                                                                           \
+      _Pragma("GCC unroll 8") for (int p = 0; p < NP; ++p) start_block4_256<MR, ZP>(rows, r0, b, s[p]);               \
+      const uint8_t* wb = w.codes + b * (kPanelBlock / 2);                                                            \
+      _Pragma("GCC unroll 4") for (int t = 0; t < kBlock / 8; ++t) {                                                  \
+        _Pragma("GCC unroll 8") for (int p = 0; p < NP; ++p)                                                          \
+          _mm_prefetch(reinterpret_cast<const char*>(wb + p * w.stride + t * 64) + kPrefetchBytes, _MM_HINT_T0);      \
+        _Pragma("GCC unroll 2") for (int h = 0; h < 2; ++h) {                                                         \
+          __m256i lo[NP], hi[NP];                                                                                     \
+          _Pragma("GCC unroll 8") for (int p = 0; p < NP; ++p)                                                        \
+            codes_half_256(wb + p * w.stride + t * 64, h, lo[p], hi[p]);                                              \
+          _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i) {                                                      \
+            int32_t first, second;                                                                                    \
+            std::memcpy(&first, q + i * rows.kp + b * kBlock + t * 8, 4);                                             \
+            std::memcpy(&second, q + i * rows.kp + b * kBlock + t * 8 + 4, 4);                                        \
+            const __m256i x0 = _mm256_set1_epi32(first), x1 = _mm256_set1_epi32(second);                              \
+            _Pragma("GCC unroll 8") for (int p = 0; p < NP; ++p)                                                      \
+              s[p][i][h] = PRODUCT(s[p][i][h], lo[p], hi[p], x0, x1);                                                 \
+          }                                                                                                           \
+        }                                                                                                             \
+      }                                                                                                               \
+      const int64_t g = b / w.blocks_per_group;                                                                       \
+      _Pragma("GCC unroll 8") for (int p = 0; p < NP; ++p)                                                            \
+        finish_block4_256<MR, ZP>(rows, r0, b, w, (p * w.groups + g) * kPanel, s[p], acc[p]);                         \
+    }                                                                                                                 \
+    store_tile_256<MR, NP>(acc, c, ldc);                                                                              \
   }
-  store_tile_256<MR, NP>(acc, c, ldc);
-}
 
-// AVX-VNNI: two `vpdpbusd` (VEX) a half and group of 8 inputs, codes unsigned by q signed,
-// straight into int32. Without AVX2's ones vector and with one half's codes live at a time,
-// 16 ymm hold the int32 sums of 4 rows (the float accumulators wait in L1 between blocks).
-template <int MR, int NP, bool ZP>
-PSI_AVXVNNI void tile4_avxvnni(const Rows& rows, int64_t r0, const Int4Panels& w, float* c, int64_t ldc) {
-  __m256 acc[NP][MR][2] = {};
-  const int8_t* q = rows.q + r0 * rows.kp;
-  for (int64_t b = 0; b < rows.nb; ++b) {
-    __m256i s[NP][MR][2];
-#pragma GCC unroll 8
-    for (int p = 0; p < NP; ++p) start_block4_256<MR, ZP>(rows, r0, b, s[p]);
-    const uint8_t* wb = w.codes + b * (kPanelBlock / 2);
-#pragma GCC unroll 4
-    for (int t = 0; t < kBlock / 8; ++t) {
-#pragma GCC unroll 8
-      for (int p = 0; p < NP; ++p)
-        _mm_prefetch(reinterpret_cast<const char*>(wb + p * w.stride + t * 64) + kPrefetchBytes, _MM_HINT_T0);
-#pragma GCC unroll 2
-      for (int h = 0; h < 2; ++h) {
-        __m256i lo[NP], hi[NP];
-#pragma GCC unroll 8
-        for (int p = 0; p < NP; ++p) codes_half_256(wb + p * w.stride + t * 64, h, lo[p], hi[p]);
-#pragma GCC unroll 8
-        for (int i = 0; i < MR; ++i) {
-          int32_t first, second;
-          std::memcpy(&first, q + i * rows.kp + b * kBlock + t * 8, 4);
-          std::memcpy(&second, q + i * rows.kp + b * kBlock + t * 8 + 4, 4);
-          const __m256i x0 = _mm256_set1_epi32(first), x1 = _mm256_set1_epi32(second);
-#pragma GCC unroll 8
-          for (int p = 0; p < NP; ++p)
-            s[p][i][h] = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(s[p][i][h], lo[p], x0), hi[p], x1);
-        }
-      }
-    }
-    const int64_t g = b / w.blocks_per_group;
-#pragma GCC unroll 8
-    for (int p = 0; p < NP; ++p) finish_block4_256<MR, ZP>(rows, r0, b, w, (p * w.groups + g) * kPanel, s[p], acc[p]);
-  }
-  store_tile_256<MR, NP>(acc, c, ldc);
-}
+#define PSI_PRODUCT4_AVX2(S, LO, HI, X0, X1) \
+  _mm256_add_epi32(S, _mm256_madd_epi16(                                                   \
+                          _mm256_add_epi16(_mm256_maddubs_epi16(LO, X0), _mm256_maddubs_epi16(HI, X1)), ones))
+#define PSI_PRODUCT4_AVXVNNI(S, LO, HI, X0, X1) _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(S, LO, X0), HI, X1)
+PSI_TILE4_256(tile4_avx2, PSI_AVX2, PSI_PRODUCT4_AVX2)
+PSI_TILE4_256(tile4_avxvnni, PSI_AVXVNNI, PSI_PRODUCT4_AVXVNNI)
+#undef PSI_TILE4_256
+#undef PSI_PRODUCT4_AVX2
+#undef PSI_PRODUCT4_AVXVNNI
 #endif
 
 // The tiles of each weight kind and instruction set, and their shapes within the registers.
