@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.common.contracts import SamplingMetadata
-from pagedserve.plugins.default_sampler import DefaultSampler, apply_penalties
+from pagedserve.plugins.default_sampler import DefaultSampler, apply_penalties, row_argmax
 
 from engine_helpers import assert_pool_clean, mixed_prompts
 
@@ -36,6 +37,26 @@ def test_top_k_never_emits_a_token_outside_the_top_k():
     for _ in range(200):
         tokens = sampler.sample(logits.clone(), metadata(8, top_k=torch.full((8,), 5))).sampled_token_ids
         assert all(t in allowed[i] for i, t in enumerate(tokens.tolist()))
+
+
+@pytest.mark.parametrize("width", [49152, 1000, 1031, 256, 3])
+def test_row_argmax_is_torch_argmax(width):
+    """The blocked argmax gives torch's ids: the first of tied maxima, a NaN before any
+    number, rows of -inf; widths with a block (49152, 1000, 256) and without (1031, 3)."""
+    g = torch.Generator().manual_seed(width)
+    x = torch.randn(9, width, generator=g)
+    x[1] = 0.5  # every index ties: 0
+    x[2, width // 2] = x[2, width - 1] = 100.0  # tied across blocks: the first
+    x[3, width - 1] = float("nan")  # a NaN in the last block beats every number
+    x[4, width - 1] = float("nan")
+    x[4, 1] = float("nan")  # the first NaN
+    x[5] = float("-inf")
+    x[6, 0] = float("inf")
+    x[7, width - 1] = 10.0
+    x[8] = x[8].round()  # many ties
+    assert torch.equal(row_argmax(x), x.argmax(dim=-1))
+    assert torch.equal(row_argmax(x.t().contiguous().t()), x.argmax(dim=-1))  # a strided view
+    assert row_argmax(x[:0]).shape == (0,)
 
 
 def test_top_p_keeps_exactly_the_nucleus():
