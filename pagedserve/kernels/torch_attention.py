@@ -27,7 +27,7 @@ class _PrefillGroup:
     """Prefill chunks attended by one SDPA call."""
 
     token_index: torch.Tensor | None  # [n * q_len] rows of the batch, None if one contiguous span
-    start: int  # first row when contiguous
+    start: int  # first row when contiguous (the n chunks one after another from there)
     num_seqs: int
     q_len: int
     context_slots: torch.Tensor | None  # [ctx_len] cache slots, for a chunk with cached context
@@ -75,8 +75,8 @@ class TorchAttentionBackend(AttentionBackend):
                 groups.append(_PrefillGroup(None, start, 1, q_len, slots, mask))
             start += q_len
         for q_len, starts in fresh.items():
-            if len(starts) == 1:
-                groups.append(_PrefillGroup(None, starts[0], 1, q_len, None, None))
+            if starts[-1] - starts[0] == (len(starts) - 1) * q_len:  # back to back: views, no gather
+                groups.append(_PrefillGroup(None, starts[0], len(starts), q_len, None, None))
                 continue
             index = (torch.tensor(starts, device=device)[:, None] + torch.arange(q_len, device=device)).flatten()
             groups.append(_PrefillGroup(index, 0, len(starts), q_len, None, None))
@@ -127,24 +127,20 @@ def attend_prefills(query, key, value, kv_cache, plan: _TorchPlan, scale: float,
     v_flat = kv_cache[1].view(-1, num_kv_heads, width)
     quantized = kv_cache.dtype != query.dtype
     for g in plan.prefill_groups:
-        if g.token_index is None:
+        if g.context_slots is None:  # n fresh chunks of q_len rows: back to back (views) or gathered
+            rows = slice(g.start, g.start + g.num_seqs * g.q_len) if g.token_index is None else g.token_index
+            shape = (g.num_seqs, g.q_len)
+            q = query[rows].view(*shape, -1, head_dim).transpose(1, 2)  # [n, heads, q_len, head_dim]
+            k = key[rows].view(*shape, num_kv_heads, head_dim).transpose(1, 2)
+            v = value[rows].view(*shape, num_kv_heads, head_dim).transpose(1, 2)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+            out[rows] = o.transpose(1, 2).reshape(-1, query.shape[1], head_dim)
+        else:  # one chunk after its cached context
             rows = slice(g.start, g.start + g.q_len)
             q = query[rows].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, head_dim]
-            if g.context_slots is None:
-                k = key[rows].transpose(0, 1).unsqueeze(0)
-                v = value[rows].transpose(0, 1).unsqueeze(0)
-                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-            else:
-                k, v = k_flat[g.context_slots], v_flat[g.context_slots]
-                if quantized:
-                    k, v = dequantize_kv_rows(k, head_dim, query.dtype), dequantize_kv_rows(v, head_dim, query.dtype)
-                k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scale, enable_gqa=True)
+            k, v = k_flat[g.context_slots], v_flat[g.context_slots]
+            if quantized:
+                k, v = dequantize_kv_rows(k, head_dim, query.dtype), dequantize_kv_rows(v, head_dim, query.dtype)
+            k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scale, enable_gqa=True)
             out[rows] = o[0].transpose(0, 1)
-        else:
-            shape = (g.num_seqs, g.q_len)
-            q = query[g.token_index].view(*shape, -1, head_dim).transpose(1, 2)
-            k = key[g.token_index].view(*shape, num_kv_heads, head_dim).transpose(1, 2)
-            v = value[g.token_index].view(*shape, num_kv_heads, head_dim).transpose(1, 2)
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-            out[g.token_index] = o.transpose(1, 2).reshape(-1, query.shape[1], head_dim)

@@ -15,7 +15,8 @@ SHAPES = [
     ([1, 1, 1], [5, 33, 16], 4, 4, 16, 16),  # MHA decodes, one exactly a block
     ([1, 1, 7, 20], [40, 3, 7, 50], 6, 2, 32, 16),  # GQA 3: decodes + fresh prefill + chunk with context
     ([1, 1, 1, 1], [100, 17, 64, 1], 8, 1, 64, 32),  # GQA 8, block size 32
-    ([5, 5, 5], [5, 5, 5], 3, 1, 16, 16),  # fresh prefills of equal length (grouped)
+    ([5, 5, 5], [5, 5, 5], 3, 1, 16, 16),  # fresh prefills of equal length, back to back (views)
+    ([4, 3, 4], [4, 9, 4], 4, 2, 16, 16),  # equal fresh prefills apart (gathered), a chunk between
 ]
 BACKENDS = [TorchAttentionBackend, CPUAttentionBackend]
 
@@ -76,3 +77,18 @@ def test_vector_decode_path_matches_the_reference_and_ignores_the_batch(attentio
         alone = cpu_kernels().paged_decode_attention(query[i : i + 1].contiguous(), kv_cache[0], kv_cache[1],
                                                      tables[i : i + 1].contiguous(), seq_lens[i : i + 1].contiguous(), scale)
         assert torch.equal(alone[0], out[i]), f"sequence {i} (context {lens[i]})"
+
+
+def test_fresh_chunks_of_one_length_make_one_group():
+    """Fresh chunks of one length share an SDPA call: as views of the batch where they lie back
+    to back, through a row index where another chunk lies between them."""
+    backend = TorchAttentionBackend()
+    *_, metadata = build_batch([5, 5, 5], [5, 5, 5], 3, 1, 16, 16, torch.float32)
+    backend.prepare(metadata, 16)
+    [group] = metadata.backend_state.prefill_groups
+    assert (group.token_index, group.start, group.num_seqs, group.q_len) == (None, 0, 3, 5)
+    *_, metadata = build_batch([4, 3, 4], [4, 9, 4], 4, 2, 16, 16, torch.float32)
+    backend.prepare(metadata, 16)
+    chunk, fresh = metadata.backend_state.prefill_groups
+    assert (chunk.start, chunk.q_len, chunk.context_slots.numel()) == (4, 3, 9)
+    assert fresh.token_index.tolist() == [0, 1, 2, 3, 7, 8, 9, 10] and (fresh.num_seqs, fresh.q_len) == (2, 4)
