@@ -1,8 +1,13 @@
-"""The CPU attention backend: the torch backend with decodes in a C++ kernel.
+"""The CPU attention backend: the torch backend with decodes and prefills in C++ kernels.
 
 The torch reference gathers every decode's blocks into a padded copy before attending;
 on CPU that copy costs as much as the attention itself. The kernel in
-csrc/cpu_paged_attention.cpp reads each cached key and value once, in place. It is built
+csrc/cpu_paged_attention.cpp reads each cached key and value once, in place. Prefill chunks
+over a float32 cache (head_dim 64 or 128) go to the same file's prefill kernel, after their
+K/V are stored: many query rows in the vector lanes against each key, one pass over the
+blocks per 64 rows, fresh chunks and chunks after a cached context alike. torch's SDPA, which
+the torch backend calls per group of fresh chunks, took 2 to 2.3 times as long at 128 to 512
+tokens and 1.4 times at 2048 (docs/performance.md). It is built
 with torch's extension builder on first use (cached under ~/.cache/torch_extensions); if
 it cannot be built, the worker logs why and stays on the torch backend.
 
@@ -101,9 +106,27 @@ def cpu_kernels():
 
 
 class CPUAttentionBackend(TorchAttentionBackend):
-    """The torch backend, with decodes in the C++ kernel (no block gather)."""
+    """The torch backend, with decodes and (float32) prefill chunks in the C++ kernels."""
 
     name = "cpu"
+    #: prefill chunks through paged_prefill_attention (float32 cache, head_dim 64 or 128); off:
+    #: the torch backend's SDPA calls (benchmarks compare the two)
+    prefill_kernel = True
+
+    def forward(self, query, key, value, kv_cache, metadata, scale):
+        nd = metadata.num_decodes
+        kernels = cpu_kernels()
+        if (not self.prefill_kernel or len(metadata.query_lens_cpu) == nd or kernels is None
+                or query.dtype != torch.float32 or kv_cache.dtype != torch.float32
+                or not kernels.prefill_attention_supported(query.shape[-1])):
+            return super().forward(query, key, value, kv_cache, metadata, scale)
+        self.store(key, value, kv_cache, metadata)  # the prefill rows read their own K/V back from the cache
+        out = torch.empty(query.shape, dtype=query.dtype)
+        if nd:
+            out[:nd] = self.attend_decodes(query[:nd], kv_cache, metadata, scale)
+        kernels.paged_prefill_attention(query, kv_cache[0], kv_cache[1], metadata.block_tables[nd:],
+                                        metadata.seq_lens[nd:], metadata.query_start_loc[nd:], out, scale)
+        return out
 
     def prepare(self, metadata: AttentionMetadata, block_size: int, gather_decodes: bool = False) -> None:
         # the kernel reads the decodes' blocks in place: nothing to gather unless asked

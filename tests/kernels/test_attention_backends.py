@@ -17,6 +17,10 @@ SHAPES = [
     ([1, 1, 1, 1], [100, 17, 64, 1], 8, 1, 64, 32),  # GQA 8, block size 32
     ([5, 5, 5], [5, 5, 5], 3, 1, 16, 16),  # fresh prefills of equal length, back to back (views)
     ([4, 3, 4], [4, 9, 4], 4, 2, 16, 16),  # equal fresh prefills apart (gathered), a chunk between
+    # head_dim 64 and 128: the CPU backend's prefill kernel (several tasks per sequence, chunks
+    # after their context, sequences that end inside a block)
+    ([1, 40, 7, 100], [30, 40, 20, 130], 6, 2, 64, 16),
+    ([1, 70, 33, 2], [9, 70, 65, 2], 8, 1, 128, 32),
 ]
 BACKENDS = [TorchAttentionBackend, CPUAttentionBackend]
 
@@ -92,3 +96,34 @@ def test_fresh_chunks_of_one_length_make_one_group():
     chunk, fresh = metadata.backend_state.prefill_groups
     assert (chunk.start, chunk.q_len, chunk.context_slots.numel()) == (4, 3, 9)
     assert fresh.token_index.tolist() == [0, 1, 2, 3, 7, 8, 9, 10] and (fresh.num_seqs, fresh.q_len) == (2, 4)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_prefill_kernel_matches_the_reference_and_ignores_the_batch(head_dim):
+    """The CPU backend's prefill kernel (float32): the dense reference's values, and each
+    sequence's rows bitwise the same when the kernel runs on that sequence alone."""
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("the CPU kernel could not be built here")
+    lens, context = [40, 7, 100], [40, 20, 130]
+    query, key, value, kv_cache, metadata = build_batch(lens, context, 6, 2, head_dim, 16, torch.float32)
+    scale = head_dim**-0.5
+    expected = dense_reference(query, key, value, kv_cache, metadata, 16, scale)
+    backend = CPUAttentionBackend()
+    metadata.backend = backend
+    backend.prepare(metadata, 16)
+    calls = []
+    spy = kernels.paged_prefill_attention
+    try:
+        kernels.paged_prefill_attention = lambda *args: calls.append(spy(*args))
+        out = backend.forward(query, key, value, kv_cache, metadata, scale)
+    finally:
+        kernels.paged_prefill_attention = spy
+    assert len(calls) == 1  # the kernel ran, not the torch backend's SDPA
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+    for i, start in enumerate(metadata.query_start_loc[:-1].tolist()):
+        rows = slice(start, start + lens[i])
+        alone = torch.empty(query[rows].shape)
+        spy(query[rows], kv_cache[0], kv_cache[1], metadata.block_tables[i : i + 1], metadata.seq_lens[i : i + 1],
+            torch.tensor([0, lens[i]], dtype=torch.int32), alone, scale)
+        assert torch.equal(alone, out[rows])

@@ -10,6 +10,10 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 void store_kv_int8(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
                    torch::Tensor slots);
 std::string set_decode_attention_isa(const std::string& name);
+bool prefill_attention_supported(int64_t head_dim);
+void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                             torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_starts,
+                             torch::Tensor out, double scale);
 void bind_cpu_decode(pybind11::module& m);
 void bind_cpu_int8_gemv(pybind11::module& m);
 void bind_cpu_int4_gemv(pybind11::module& m);
@@ -22,6 +26,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_decode_attention_isa", &set_decode_attention_isa,
         "the float32 decode attention's vector path: avx512 (where built) or avx2; returns the one in use",
         pybind11::arg("name"));
+  m.def("prefill_attention_supported", &prefill_attention_supported,
+        "whether paged_prefill_attention is built for this head_dim", pybind11::arg("head_dim"));
+  m.def("paged_prefill_attention", &paged_prefill_attention,
+        "prefill chunks' attention over a paged float32 KV cache holding their K/V (CPU), into out");
   bind_cpu_decode(m);
   bind_cpu_int8_gemv(m);
   bind_cpu_int4_gemv(m);

@@ -14,6 +14,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -483,6 +484,190 @@ void decode_attention(const T* q, const C* k_cache, const C* v_cache, const int3
   });
 }
 
+// ---- prefill attention ----
+// Prefill chunks over the paged float32 cache, which holds their own K/V already, so a chunk
+// with cached context and a fresh one are the same case: sequence s has rows query_starts[s]
+// .. query_starts[s + 1] - 1 of q, at the positions that end at seq_lens[s], and the row at
+// position p attends to keys 0..p.
+//
+// Rows in the vector lanes. One task holds kTaskRows rows of one KV head (its query heads ×
+// as many positions as fit, the last lanes repeating the last row where they are fewer) and walks
+// the key blocks once for all of them. For each 16 keys: scores St[key][row] = Σ_d Qt[d][row] ·
+// K[key][d] (the queries transposed once per task, each key's value broadcast), the causal mask and an online softmax lane by lane (no horizontal
+// sums anywhere), then Ot[d][row] = Ot[d][row] · rescale + Σ_key p[key][row] · V[key][d].
+// GCC's vector extensions: 16-float vectors, one zmm with AVX-512 and two ymm with AVX2, from
+// the same source. Each row depends on its own sequence only (batch-invariant).
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+// Register tiles: with AVX-512's 32 registers 4 row vectors × 4 keys (scores) or × 4
+// dimensions (values); AVX2's 16 hold a quarter of that (a vector is two registers there).
+#if defined(__AVX512F__)
+constexpr int kRowVecs = 4, kAtOnce = 4;
+#else
+constexpr int kRowVecs = 2, kAtOnce = 2;
+#endif
+constexpr int64_t kLanes = 16, kTaskRows = kLanes * kRowVecs, kKeyTile = 16;
+
+inline v16f splat(float x) { return v16f{} + x; }
+
+// e^x for x <= 0 (relative error about 2e-7), as exp_nonpositive: 2^(x·log2 e) = 2^n · 2^f,
+// n = trunc(t - 0.5) (t <= 0, so f in (-0.5, 0.5]), 2^f a degree-6 polynomial.
+inline v16f exp_nonpositive_v(v16f x) {
+  x = x < -87.0f ? splat(-87.0f) : x;
+  const v16f t = x * 1.4426950408889634f;
+  const v16i ni = __builtin_convertvector(t - 0.5f, v16i);
+  const v16f f = (t - __builtin_convertvector(ni, v16f)) * 0.6931471805599453f;
+  v16f y = splat(1.3888949e-3f);
+  y = y * f + 8.3333366e-3f;
+  y = y * f + 4.1666664e-2f;
+  y = y * f + 1.6666667e-1f;
+  y = y * f + 0.5f;
+  y = y * f + 1.0f;
+  y = y * f + 1.0f;
+  const v16i bits = (ni + 127) << 23;
+  return y * reinterpret_cast<const v16f&>(bits);
+}
+
+template <int64_t D>
+void prefill_task(const float* q, int64_t q_row_stride, const float* k_cache, const float* v_cache,
+                  const int32_t* table, int64_t token_stride, int64_t block_size, int64_t head, int64_t group,
+                  int64_t first_row, int64_t first_pos, int64_t positions, float scale, float* out, int64_t num_heads) {
+  alignas(64) float qt[D][kTaskRows], ot[D][kTaskRows], st[kKeyTile][kTaskRows];
+  alignas(64) int32_t pos[kTaskRows];
+  const int64_t rows = positions * group;
+  for (int64_t r = 0; r < kTaskRows; ++r) {
+    const int64_t rr = std::min(r, rows - 1), j = rr / group, g = rr % group;
+    pos[r] = static_cast<int32_t>(first_pos + j);
+    const float* qp = q + (first_row + j) * q_row_stride + (head * group + g) * D;
+    for (int64_t d = 0; d < D; ++d) qt[d][r] = qp[d] * scale;
+  }
+  std::memset(ot, 0, sizeof(ot));
+  v16f m[kRowVecs], l[kRowVecs];
+  v16i pv[kRowVecs];
+  for (int64_t v = 0; v < kRowVecs; ++v) {
+    m[v] = splat(-1e30f);
+    l[v] = splat(0.f);
+    std::memcpy(&pv[v], pos + v * kLanes, sizeof(v16i));
+  }
+  const int64_t last_pos = first_pos + positions - 1;
+  for (int64_t start = 0; start <= last_pos; start += kKeyTile) {
+    const int64_t n = std::min(kKeyTile, last_pos + 1 - start);  // keys start .. start + n - 1
+    const float* kr[kKeyTile];
+    const float* vr[kKeyTile];
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t key = start + t, at = table[key / block_size] * block_size + key % block_size;
+      kr[t] = k_cache + at * token_stride + head * D;
+      vr[t] = v_cache + at * token_stride + head * D;
+    }
+    // scores, kAtOnce keys × kRowVecs row vectors at a time
+    for (int64_t t0 = 0; t0 < n; t0 += kAtOnce) {
+      v16f acc[kAtOnce][kRowVecs];
+      const float* kk[kAtOnce];
+      for (int a = 0; a < kAtOnce; ++a) {
+        kk[a] = kr[std::min<int64_t>(t0 + a, n - 1)];
+        for (int v = 0; v < kRowVecs; ++v) acc[a][v] = splat(0.f);
+      }
+      for (int64_t d = 0; d < D; ++d) {
+        v16f b[kAtOnce];
+        for (int a = 0; a < kAtOnce; ++a) b[a] = splat(kk[a][d]);
+        for (int v = 0; v < kRowVecs; ++v) {
+          v16f qv;
+          std::memcpy(&qv, &qt[d][v * kLanes], sizeof(qv));
+          for (int a = 0; a < kAtOnce; ++a) acc[a][v] += qv * b[a];
+        }
+      }
+      for (int a = 0; a < kAtOnce && t0 + a < n; ++a)
+        for (int v = 0; v < kRowVecs; ++v) std::memcpy(&st[t0 + a][v * kLanes], &acc[a][v], sizeof(v16f));
+    }
+    // the causal mask, the online softmax: probabilities into st, each row vector's rescale
+    v16f rescale[kRowVecs];
+    for (int v = 0; v < kRowVecs; ++v) {
+      v16f bm = splat(-1e30f);
+      for (int64_t t = 0; t < n; ++t) {
+        v16f sv;
+        std::memcpy(&sv, &st[t][v * kLanes], sizeof(sv));
+        bm = (pv[v] >= static_cast<int32_t>(start + t)) & (sv > bm) ? sv : bm;
+      }
+      const v16f mn = bm > m[v] ? bm : m[v];
+      rescale[v] = exp_nonpositive_v(m[v] - mn);
+      v16f sum = splat(0.f);
+      for (int64_t t = 0; t < n; ++t) {
+        v16f sv;
+        std::memcpy(&sv, &st[t][v * kLanes], sizeof(sv));
+        const v16f e = exp_nonpositive_v(sv - mn);
+        const v16f p = pv[v] >= static_cast<int32_t>(start + t) ? e : splat(0.f);
+        std::memcpy(&st[t][v * kLanes], &p, sizeof(p));
+        sum += p;
+      }
+      l[v] = l[v] * rescale[v] + sum;
+      m[v] = mn;
+    }
+    // values, kAtOnce dimensions × kRowVecs row vectors at a time
+    for (int64_t d0 = 0; d0 < D; d0 += kAtOnce) {
+      v16f acc[kAtOnce][kRowVecs];
+      for (int a = 0; a < kAtOnce; ++a)
+        for (int v = 0; v < kRowVecs; ++v) {
+          std::memcpy(&acc[a][v], &ot[d0 + a][v * kLanes], sizeof(v16f));
+          acc[a][v] *= rescale[v];
+        }
+      for (int64_t t = 0; t < n; ++t) {
+        v16f b[kAtOnce];
+        for (int a = 0; a < kAtOnce; ++a) b[a] = splat(vr[t][d0 + a]);
+        for (int v = 0; v < kRowVecs; ++v) {
+          v16f p;
+          std::memcpy(&p, &st[t][v * kLanes], sizeof(p));
+          for (int a = 0; a < kAtOnce; ++a) acc[a][v] += p * b[a];
+        }
+      }
+      for (int a = 0; a < kAtOnce; ++a)
+        for (int v = 0; v < kRowVecs; ++v) std::memcpy(&ot[d0 + a][v * kLanes], &acc[a][v], sizeof(v16f));
+    }
+  }
+  alignas(64) float inv[kTaskRows];
+  for (int v = 0; v < kRowVecs; ++v) {
+    const v16f iv = 1.0f / l[v];
+    std::memcpy(inv + v * kLanes, &iv, sizeof(iv));
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    float* op = out + ((first_row + r / group) * num_heads + head * group + r % group) * D;
+    for (int64_t d = 0; d < D; ++d) op[d] = ot[d][r] * inv[r];
+  }
+}
+
+void prefill_attention_f32(const float* q, int64_t q_row_stride, const float* k_cache, const float* v_cache,
+                           const int32_t* block_tables, const int32_t* seq_lens, const int32_t* query_starts,
+                           float* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                           int64_t block_size, int64_t max_blocks, float scale) {
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t per_task = std::max<int64_t>(1, kTaskRows / group);  // positions a task holds
+  struct Task {
+    int64_t seq, head, first_row, positions, first_pos, cost;
+  };
+  std::vector<Task> tasks;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t q_len = query_starts[s + 1] - query_starts[s], first_pos = seq_lens[s] - q_len;
+    for (int64_t c = 0; c < q_len; c += per_task)
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        const int64_t n = std::min(per_task, q_len - c);
+        tasks.push_back({s, h, query_starts[s] + c, n, first_pos + c, first_pos + c + n});
+      }
+  }
+  // the costliest first (the last rows of a long prompt read the most keys), each thread
+  // taking the next task left
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
+  std::atomic<int64_t> next{0};
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks.size()));
+  const int64_t token_stride = num_kv_heads * head_dim;
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t i = next++; i < static_cast<int64_t>(tasks.size()); i = next++) {
+      const Task& t = tasks[i];
+      auto run = head_dim == 64 ? prefill_task<64> : prefill_task<128>;
+      run(q, q_row_stride, k_cache, v_cache, block_tables + t.seq * max_blocks, token_stride, block_size, t.head,
+          group, t.first_row, t.first_pos, t.positions, scale, out, num_heads);
+    }
+  });
+}
+
 }  // namespace
 
 // One int8 KV cache row from n floats, exactly as kernels/reference_ops.quantize_kv_rows:
@@ -579,6 +764,49 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
     }
   });
   return out;
+}
+
+// Whether paged_prefill_attention runs here for this head_dim (float32 only).
+bool prefill_attention_supported(int64_t head_dim) { return head_dim == 64 || head_dim == 128; }
+
+// The prefill rows of a step (the section "prefill attention" above): q [rows, num_heads,
+// head_dim] float32 (rows may be strided); caches as paged_decode_attention's, float32, holding
+// these rows' K/V already; block_tables [num_seqs, max_blocks] and seq_lens [num_seqs] int32 of
+// the prefill sequences; query_starts [num_seqs + 1] int32: sequence s's rows of q (and of out)
+// from query_starts[s]. Writes those rows of out [rows, num_heads, head_dim] (contiguous).
+void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                             torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_starts,
+                             torch::Tensor out, double scale) {
+  TORCH_CHECK(q.dim() == 3 && prefill_attention_supported(q.size(2)),
+              "paged_prefill_attention: q [rows, heads, head_dim] with head_dim 64 or 128");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
+                  v_cache.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
+              "paged_prefill_attention: float32 queries, cache and output");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "q: rows of [num_heads, head_dim]");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "out: contiguous, q's shape");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous() && k_cache.size(3) == q.size(2) && q.size(1) % k_cache.size(2) == 0,
+              "paged_prefill_attention: contiguous caches [blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  query_starts.scalar_type() == at::kInt, "int32 tables");
+  auto tables = block_tables.contiguous();
+  auto lens = seq_lens.contiguous();
+  auto starts = query_starts.contiguous();
+  const int64_t num_seqs = lens.size(0), max_blocks = tables.size(1), block_size = k_cache.size(1);
+  TORCH_CHECK(starts.size(0) == num_seqs + 1 && tables.size(0) == num_seqs, "one table row and start per sequence");
+  const int32_t* sp = starts.data_ptr<int32_t>();
+  const int32_t* lp = lens.data_ptr<int32_t>();
+  const int32_t* tp = tables.data_ptr<int32_t>();
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    TORCH_CHECK(0 <= sp[s] && sp[s] <= sp[s + 1] && sp[s + 1] <= q.size(0) && sp[s + 1] - sp[s] <= lp[s] &&
+                    lp[s] <= max_blocks * block_size, "paged_prefill_attention: sequence ", s, " out of bounds");
+    for (int64_t b = 0; b < (lp[s] + block_size - 1) / block_size; ++b)
+      TORCH_CHECK(tp[s * max_blocks + b] >= 0 && tp[s * max_blocks + b] < k_cache.size(0),
+                  "paged_prefill_attention: a block beyond the cache");
+  }
+  prefill_attention_f32(q.data_ptr<float>(), q.stride(0), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), tp,
+                        lp, sp, out.data_ptr<float>(), num_seqs, q.size(1), k_cache.size(2), q.size(2), block_size,
+                        max_blocks, static_cast<float>(scale));
 }
 
 // The float32 decode attention's vector path: "avx512" (where the build has AVX-512) or "avx2";
