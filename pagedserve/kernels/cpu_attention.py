@@ -2,8 +2,9 @@
 
 The torch reference gathers every decode's blocks into a padded copy before attending;
 on CPU that copy costs as much as the attention itself. The kernel in
-csrc/cpu_paged_attention.cpp reads each cached key and value once, in place. Prefill chunks
-over a float32 cache (head_dim 64 or 128) go to the same file's prefill kernel, after their
+csrc/cpu_paged_attention.cpp reads each cached key and value once, in place. On a CPU with
+AVX-512, prefill chunks over a float32 cache (head_dim 64 or 128) go to the same file's prefill
+kernel (its AVX2 build ran slower than SDPA, so AVX2 CPUs keep SDPA), after their
 K/V are stored: many query rows in the vector lanes against each key, one pass over the
 blocks per 64 rows, fresh chunks and chunks after a cached context alike. torch's SDPA, which
 the torch backend calls per group of fresh chunks, took 2 to 2.3 times as long at 128 to 512
@@ -109,8 +110,8 @@ class CPUAttentionBackend(TorchAttentionBackend):
     """The torch backend, with decodes and (float32) prefill chunks in the C++ kernels."""
 
     name = "cpu"
-    #: prefill chunks through paged_prefill_attention (float32 cache, head_dim 64 or 128); off:
-    #: the torch backend's SDPA calls (benchmarks compare the two)
+    #: prefill chunks through paged_prefill_attention where the build supports it (AVX-512,
+    #: float32 cache, head_dim 64 or 128); off: the torch backend's SDPA calls
     prefill_kernel = True
 
     def forward(self, query, key, value, kv_cache, metadata, scale):

@@ -495,37 +495,42 @@ void decode_attention(const T* q, const C* k_cache, const C* v_cache, const int3
 // the key blocks once for all of them. For each 16 keys: scores St[key][row] = Σ_d Qt[d][row] ·
 // K[key][d] (the queries transposed once per task, each key's value broadcast), the causal mask and an online softmax lane by lane (no horizontal
 // sums anywhere), then Ot[d][row] = Ot[d][row] · rescale + Σ_key p[key][row] · V[key][d].
-// GCC's vector extensions: 16-float vectors, one zmm with AVX-512 and two ymm with AVX2, from
-// the same source. Each row depends on its own sequence only (batch-invariant).
-typedef float v16f __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-// Register tiles: with AVX-512's 32 registers 4 row vectors × 4 keys (scores) or × 4
-// dimensions (values); AVX2's 16 hold a quarter of that (a vector is two registers there).
+// GCC's vector extensions, so one source serves AVX-512 and AVX2 (and other CPUs). Each row
+// depends on its own sequence only (batch-invariant).
+// Vectors of 16 floats with AVX-512 (one zmm), of 8 elsewhere (one ymm with AVX2: GCC lowers
+// 16-float vectors without AVX-512 through memory, which ran 10 times slower; even so the
+// backend calls this kernel on AVX-512 builds only: prefill_attention_supported). Register tiles:
+// 4 row vectors × 4 keys (scores) or × 4 dimensions (values) in AVX-512's 32 registers, 4 × 2
+// in AVX2's 16.
 #if defined(__AVX512F__)
+typedef float vf __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
 constexpr int kRowVecs = 4, kAtOnce = 4;
 #else
-constexpr int kRowVecs = 2, kAtOnce = 2;
+typedef float vf __attribute__((vector_size(32)));
+typedef int32_t vi __attribute__((vector_size(32)));
+constexpr int kRowVecs = 4, kAtOnce = 2;
 #endif
-constexpr int64_t kLanes = 16, kTaskRows = kLanes * kRowVecs, kKeyTile = 16;
+constexpr int64_t kLanes = sizeof(vf) / sizeof(float), kTaskRows = kLanes * kRowVecs, kKeyTile = 16;
 
-inline v16f splat(float x) { return v16f{} + x; }
+inline vf splat(float x) { return vf{} + x; }
 
 // e^x for x <= 0 (relative error about 2e-7), as exp_nonpositive: 2^(x·log2 e) = 2^n · 2^f,
 // n = trunc(t - 0.5) (t <= 0, so f in (-0.5, 0.5]), 2^f a degree-6 polynomial.
-inline v16f exp_nonpositive_v(v16f x) {
+inline vf exp_nonpositive_v(vf x) {
   x = x < -87.0f ? splat(-87.0f) : x;
-  const v16f t = x * 1.4426950408889634f;
-  const v16i ni = __builtin_convertvector(t - 0.5f, v16i);
-  const v16f f = (t - __builtin_convertvector(ni, v16f)) * 0.6931471805599453f;
-  v16f y = splat(1.3888949e-3f);
+  const vf t = x * 1.4426950408889634f;
+  const vi ni = __builtin_convertvector(t - 0.5f, vi);
+  const vf f = (t - __builtin_convertvector(ni, vf)) * 0.6931471805599453f;
+  vf y = splat(1.3888949e-3f);
   y = y * f + 8.3333366e-3f;
   y = y * f + 4.1666664e-2f;
   y = y * f + 1.6666667e-1f;
   y = y * f + 0.5f;
   y = y * f + 1.0f;
   y = y * f + 1.0f;
-  const v16i bits = (ni + 127) << 23;
-  return y * reinterpret_cast<const v16f&>(bits);
+  const vi bits = (ni + 127) << 23;
+  return y * reinterpret_cast<const vf&>(bits);
 }
 
 template <int64_t D>
@@ -542,12 +547,12 @@ void prefill_task(const float* q, int64_t q_row_stride, const float* k_cache, co
     for (int64_t d = 0; d < D; ++d) qt[d][r] = qp[d] * scale;
   }
   std::memset(ot, 0, sizeof(ot));
-  v16f m[kRowVecs], l[kRowVecs];
-  v16i pv[kRowVecs];
+  vf m[kRowVecs], l[kRowVecs];
+  vi pv[kRowVecs];
   for (int64_t v = 0; v < kRowVecs; ++v) {
     m[v] = splat(-1e30f);
     l[v] = splat(0.f);
-    std::memcpy(&pv[v], pos + v * kLanes, sizeof(v16i));
+    std::memcpy(&pv[v], pos + v * kLanes, sizeof(vi));
   }
   const int64_t last_pos = first_pos + positions - 1;
   for (int64_t start = 0; start <= last_pos; start += kKeyTile) {
@@ -561,41 +566,41 @@ void prefill_task(const float* q, int64_t q_row_stride, const float* k_cache, co
     }
     // scores, kAtOnce keys × kRowVecs row vectors at a time
     for (int64_t t0 = 0; t0 < n; t0 += kAtOnce) {
-      v16f acc[kAtOnce][kRowVecs];
+      vf acc[kAtOnce][kRowVecs];
       const float* kk[kAtOnce];
       for (int a = 0; a < kAtOnce; ++a) {
         kk[a] = kr[std::min<int64_t>(t0 + a, n - 1)];
         for (int v = 0; v < kRowVecs; ++v) acc[a][v] = splat(0.f);
       }
       for (int64_t d = 0; d < D; ++d) {
-        v16f b[kAtOnce];
+        vf b[kAtOnce];
         for (int a = 0; a < kAtOnce; ++a) b[a] = splat(kk[a][d]);
         for (int v = 0; v < kRowVecs; ++v) {
-          v16f qv;
+          vf qv;
           std::memcpy(&qv, &qt[d][v * kLanes], sizeof(qv));
           for (int a = 0; a < kAtOnce; ++a) acc[a][v] += qv * b[a];
         }
       }
       for (int a = 0; a < kAtOnce && t0 + a < n; ++a)
-        for (int v = 0; v < kRowVecs; ++v) std::memcpy(&st[t0 + a][v * kLanes], &acc[a][v], sizeof(v16f));
+        for (int v = 0; v < kRowVecs; ++v) std::memcpy(&st[t0 + a][v * kLanes], &acc[a][v], sizeof(vf));
     }
     // the causal mask, the online softmax: probabilities into st, each row vector's rescale
-    v16f rescale[kRowVecs];
+    vf rescale[kRowVecs];
     for (int v = 0; v < kRowVecs; ++v) {
-      v16f bm = splat(-1e30f);
+      vf bm = splat(-1e30f);
       for (int64_t t = 0; t < n; ++t) {
-        v16f sv;
+        vf sv;
         std::memcpy(&sv, &st[t][v * kLanes], sizeof(sv));
         bm = (pv[v] >= static_cast<int32_t>(start + t)) & (sv > bm) ? sv : bm;
       }
-      const v16f mn = bm > m[v] ? bm : m[v];
+      const vf mn = bm > m[v] ? bm : m[v];
       rescale[v] = exp_nonpositive_v(m[v] - mn);
-      v16f sum = splat(0.f);
+      vf sum = splat(0.f);
       for (int64_t t = 0; t < n; ++t) {
-        v16f sv;
+        vf sv;
         std::memcpy(&sv, &st[t][v * kLanes], sizeof(sv));
-        const v16f e = exp_nonpositive_v(sv - mn);
-        const v16f p = pv[v] >= static_cast<int32_t>(start + t) ? e : splat(0.f);
+        const vf e = exp_nonpositive_v(sv - mn);
+        const vf p = pv[v] >= static_cast<int32_t>(start + t) ? e : splat(0.f);
         std::memcpy(&st[t][v * kLanes], &p, sizeof(p));
         sum += p;
       }
@@ -604,28 +609,28 @@ void prefill_task(const float* q, int64_t q_row_stride, const float* k_cache, co
     }
     // values, kAtOnce dimensions × kRowVecs row vectors at a time
     for (int64_t d0 = 0; d0 < D; d0 += kAtOnce) {
-      v16f acc[kAtOnce][kRowVecs];
+      vf acc[kAtOnce][kRowVecs];
       for (int a = 0; a < kAtOnce; ++a)
         for (int v = 0; v < kRowVecs; ++v) {
-          std::memcpy(&acc[a][v], &ot[d0 + a][v * kLanes], sizeof(v16f));
+          std::memcpy(&acc[a][v], &ot[d0 + a][v * kLanes], sizeof(vf));
           acc[a][v] *= rescale[v];
         }
       for (int64_t t = 0; t < n; ++t) {
-        v16f b[kAtOnce];
+        vf b[kAtOnce];
         for (int a = 0; a < kAtOnce; ++a) b[a] = splat(vr[t][d0 + a]);
         for (int v = 0; v < kRowVecs; ++v) {
-          v16f p;
+          vf p;
           std::memcpy(&p, &st[t][v * kLanes], sizeof(p));
           for (int a = 0; a < kAtOnce; ++a) acc[a][v] += p * b[a];
         }
       }
       for (int a = 0; a < kAtOnce; ++a)
-        for (int v = 0; v < kRowVecs; ++v) std::memcpy(&ot[d0 + a][v * kLanes], &acc[a][v], sizeof(v16f));
+        for (int v = 0; v < kRowVecs; ++v) std::memcpy(&ot[d0 + a][v * kLanes], &acc[a][v], sizeof(vf));
     }
   }
   alignas(64) float inv[kTaskRows];
   for (int v = 0; v < kRowVecs; ++v) {
-    const v16f iv = 1.0f / l[v];
+    const vf iv = 1.0f / l[v];
     std::memcpy(inv + v * kLanes, &iv, sizeof(iv));
   }
   for (int64_t r = 0; r < rows; ++r) {
@@ -766,8 +771,17 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   return out;
 }
 
-// Whether paged_prefill_attention runs here for this head_dim (float32 only).
-bool prefill_attention_supported(int64_t head_dim) { return head_dim == 64 || head_dim == 128; }
+// Whether the backend should call paged_prefill_attention for this head_dim: a build with
+// AVX-512 only. The same source built for AVX2 (-march=haswell, run on an AVX-512 Xeon) was
+// correct but slower than torch's SDPA held to AVX2 (ATEN_CPU_CAPABILITY=avx2): 7.8 against
+// 4.8 ms at 512 tokens, 105 against 43 at 2048, so AVX2 CPUs keep SDPA.
+bool prefill_attention_supported(int64_t head_dim) {
+#if defined(__AVX512F__)
+  return head_dim == 64 || head_dim == 128;
+#else
+  return false;
+#endif
+}
 
 // The prefill rows of a step (the section "prefill attention" above): q [rows, num_heads,
 // head_dim] float32 (rows may be strided); caches as paged_decode_attention's, float32, holding
@@ -777,7 +791,7 @@ bool prefill_attention_supported(int64_t head_dim) { return head_dim == 64 || he
 void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                              torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_starts,
                              torch::Tensor out, double scale) {
-  TORCH_CHECK(q.dim() == 3 && prefill_attention_supported(q.size(2)),
+  TORCH_CHECK(q.dim() == 3 && (q.size(2) == 64 || q.size(2) == 128),
               "paged_prefill_attention: q [rows, heads, head_dim] with head_dim 64 or 128");
   TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
                   v_cache.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
