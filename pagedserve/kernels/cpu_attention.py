@@ -119,7 +119,7 @@ class CPUAttentionBackend(TorchAttentionBackend):
         kernels = cpu_kernels()
         if (not self.prefill_kernel or len(metadata.query_lens_cpu) == nd or kernels is None
                 or query.dtype != torch.float32 or kv_cache.dtype != torch.float32
-                or not kernels.prefill_attention_supported(query.shape[-1])):
+                or not kernels.prefill_attention_supported(query.shape[-1], query.shape[1] // kv_cache.shape[3])):
             return super().forward(query, key, value, kv_cache, metadata, scale)
         self.store(key, value, kv_cache, metadata)  # the prefill rows read their own K/V back from the cache
         out = torch.empty(query.shape, dtype=query.dtype)

@@ -120,7 +120,9 @@ def test_prefill_kernel_matches_the_reference_and_ignores_the_batch(head_dim):
         out = backend.forward(query, key, value, kv_cache, metadata, scale)
     finally:
         kernels.paged_prefill_attention = spy
-    supported = kernels.prefill_attention_supported(head_dim)
+    supported = kernels.prefill_attention_supported(head_dim, 3)
+    # never for other head sizes, nor for more query heads per KV head than a task's 64 rows
+    assert not kernels.prefill_attention_supported(32, 3) and not kernels.prefill_attention_supported(head_dim, 65)
     assert len(calls) == (1 if supported else 0)  # the kernel, where built for it; else SDPA
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
     if not supported:

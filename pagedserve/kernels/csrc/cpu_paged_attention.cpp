@@ -491,17 +491,18 @@ void decode_attention(const T* q, const C* k_cache, const C* v_cache, const int3
 // position p attends to keys 0..p.
 //
 // Rows in the vector lanes. One task holds kTaskRows rows of one KV head (its query heads ×
-// as many positions as fit, the last lanes repeating the last row where they are fewer) and walks
-// the key blocks once for all of them. For each 16 keys: scores St[key][row] = Σ_d Qt[d][row] ·
-// K[key][d] (the queries transposed once per task, each key's value broadcast), the causal mask and an online softmax lane by lane (no horizontal
-// sums anywhere), then Ot[d][row] = Ot[d][row] · rescale + Σ_key p[key][row] · V[key][d].
-// GCC's vector extensions, so one source serves AVX-512 and AVX2 (and other CPUs). Each row
-// depends on its own sequence only (batch-invariant).
-// Vectors of 16 floats with AVX-512 (one zmm), of 8 elsewhere (one ymm with AVX2: GCC lowers
-// 16-float vectors without AVX-512 through memory, which ran 10 times slower; even so the
-// backend calls this kernel on AVX-512 builds only: prefill_attention_supported). Register tiles:
-// 4 row vectors × 4 keys (scores) or × 4 dimensions (values) in AVX-512's 32 registers, 4 × 2
-// in AVX2's 16.
+// as many positions as fit, the last lanes repeating the last row where they are fewer) and
+// walks the keys once for all of them. For each 16 keys: scores St[key][row] = Σ_d Qt[d][row] ·
+// K[key][d] (the queries transposed once per task, each key's element broadcast), the causal
+// mask and an online softmax lane by lane (no horizontal sums anywhere), then Ot[d][row] =
+// Ot[d][row] · rescale + Σ_key p[key][row] · V[key][d]. Each row depends on its own sequence
+// only (batch-invariant).
+//
+// GCC's vector extensions, so one source builds for AVX-512 and AVX2 (and other CPUs): vectors
+// of 16 floats with AVX-512 (one zmm), of 8 elsewhere (one ymm with AVX2; GCC lowered 16-float
+// vectors without AVX-512 through memory, ten times slower). Even so the backend calls this
+// kernel on AVX-512 builds only (prefill_attention_supported). Register tiles: 4 row vectors ×
+// 4 keys (scores) or × 4 dimensions (values) in AVX-512's 32 registers, 4 × 2 in AVX2's 16.
 #if defined(__AVX512F__)
 typedef float vf __attribute__((vector_size(64)));
 typedef int32_t vi __attribute__((vector_size(64)));
@@ -771,13 +772,14 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   return out;
 }
 
-// Whether the backend should call paged_prefill_attention for this head_dim: a build with
-// AVX-512 only. The same source built for AVX2 (-march=haswell, run on an AVX-512 Xeon) was
-// correct but slower than torch's SDPA held to AVX2 (ATEN_CPU_CAPABILITY=avx2): 7.8 against
-// 4.8 ms at 512 tokens, 105 against 43 at 2048, so AVX2 CPUs keep SDPA.
-bool prefill_attention_supported(int64_t head_dim) {
+// Whether the backend should call paged_prefill_attention for this head_dim and number of
+// query heads per KV head (at most one task's rows): a build with AVX-512 only. The same source
+// built for AVX2 (-march=haswell, run on an AVX-512 Xeon) was correct but slower than torch's
+// SDPA held to AVX2 (ATEN_CPU_CAPABILITY=avx2): 7.8 against 4.8 ms at 512 tokens, 105 against
+// 43 at 2048, so AVX2 CPUs keep SDPA.
+bool prefill_attention_supported(int64_t head_dim, int64_t group) {
 #if defined(__AVX512F__)
-  return head_dim == 64 || head_dim == 128;
+  return (head_dim == 64 || head_dim == 128) && group >= 1 && group <= kTaskRows;
 #else
   return false;
 #endif
@@ -793,6 +795,8 @@ void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tens
                              torch::Tensor out, double scale) {
   TORCH_CHECK(q.dim() == 3 && (q.size(2) == 64 || q.size(2) == 128),
               "paged_prefill_attention: q [rows, heads, head_dim] with head_dim 64 or 128");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(2) > 0 && q.size(1) / k_cache.size(2) <= kTaskRows,
+              "paged_prefill_attention: at most ", kTaskRows, " query heads per KV head");
   TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
                   v_cache.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
               "paged_prefill_attention: float32 queries, cache and output");
