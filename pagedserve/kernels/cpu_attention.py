@@ -114,20 +114,18 @@ class CPUAttentionBackend(TorchAttentionBackend):
     #: float32 cache, head_dim 64 or 128); off: the torch backend's SDPA calls
     prefill_kernel = True
 
-    def forward(self, query, key, value, kv_cache, metadata, scale):
-        nd = metadata.num_decodes
+    def attend_prefills(self, query, key, value, kv_cache, metadata, scale, out):
+        """The prefill chunks' rows of `out`, from their K/V stored in the cache already, by
+        paged_prefill_attention where it is supported; else the torch backend's SDPA calls."""
         kernels = cpu_kernels()
-        if (not self.prefill_kernel or len(metadata.query_lens_cpu) == nd or kernels is None
-                or query.dtype != torch.float32 or kv_cache.dtype != torch.float32
+        if (not self.prefill_kernel or kernels is None or query.dtype != torch.float32
+                or kv_cache.dtype != torch.float32 or not out.is_contiguous()
                 or not kernels.prefill_attention_supported(query.shape[-1], query.shape[1] // kv_cache.shape[3])):
-            return super().forward(query, key, value, kv_cache, metadata, scale)
-        self.store(key, value, kv_cache, metadata)  # the prefill rows read their own K/V back from the cache
-        out = torch.empty(query.shape, dtype=query.dtype)
-        if nd:
-            out[:nd] = self.attend_decodes(query[:nd], kv_cache, metadata, scale)
-        kernels.paged_prefill_attention(query, kv_cache[0], kv_cache[1], metadata.block_tables[nd:],
-                                        metadata.seq_lens[nd:], metadata.query_start_loc[nd:], out, scale)
-        return out
+            return super().attend_prefills(query, key, value, kv_cache, metadata, scale, out)
+        nd = metadata.num_decodes
+        if len(metadata.query_lens_cpu) > nd:
+            kernels.paged_prefill_attention(query, kv_cache[0], kv_cache[1], metadata.block_tables[nd:],
+                                            metadata.seq_lens[nd:], metadata.query_start_loc[nd:], out, scale)
 
     def prepare(self, metadata: AttentionMetadata, block_size: int, gather_decodes: bool = False) -> None:
         # the kernel reads the decodes' blocks in place: nothing to gather unless asked

@@ -102,7 +102,7 @@ class TorchAttentionBackend(AttentionBackend):
         nd = metadata.num_decodes
         if nd:
             out[:nd] = self.attend_decodes(query[:nd], kv_cache, metadata, scale)
-        attend_prefills(query, key, value, kv_cache, metadata.backend_state, scale, out)
+        self.attend_prefills(query, key, value, kv_cache, metadata, scale, out)
         return out
 
     def attend_decodes(self, query, kv_cache, metadata, scale):
@@ -120,7 +120,13 @@ class TorchAttentionBackend(AttentionBackend):
         return o.squeeze(2)
 
 
-def attend_prefills(query, key, value, kv_cache, plan: _TorchPlan, scale: float, out: torch.Tensor) -> None:
+    def attend_prefills(self, query, key, value, kv_cache, metadata, scale: float, out: torch.Tensor) -> None:
+        """Causal attention of every prefill chunk, written into its rows of `out`: one SDPA
+        call per group of the plan that `prepare` made."""
+        attend_prefill_groups(query, key, value, kv_cache, metadata.backend_state, scale, out)
+
+
+def attend_prefill_groups(query, key, value, kv_cache, plan: _TorchPlan, scale: float, out: torch.Tensor) -> None:
     """Causal attention of every prefill chunk, written into its rows of `out`."""
     num_kv_heads, head_dim, width = key.shape[1], key.shape[2], kv_cache.shape[4]
     k_flat = kv_cache[0].view(-1, num_kv_heads, width)
