@@ -226,6 +226,9 @@ def test_the_packed_product_matches_the_reference_with_the_same_bits_everywhere(
                 for start in range(0, x.shape[0], m):
                     part = kernels.packed_int4_linear(x[start:start + m], codes, scales, zeros, n, bias)
                     assert torch.equal(part, results[isa][start:start + m]), (isa, m, start)
+            # 51 rows: from 32 rows the AVX-512 kernel widens each tile's codes once (the same bits)
+            many = kernels.packed_int4_linear(torch.cat([x, x, x]), codes, scales, zeros, n, bias)
+            assert torch.equal(many, torch.cat([results[isa]] * 3)), isa
     finally:
         kernels.set_packed_int8_isa("avx512vnni")
     for isa, y in results.items():

@@ -66,6 +66,11 @@ constexpr int64_t kPrefetchBytes = 2048;    // the panel bytes an AVX2 tile pref
 // EPYC Zen 4, alternated processes: int4 3.25-3.56 ms against 3.52-3.88 with 2048, int8
 // 4.10-4.40 against 4.53-4.63 (2 and 4 times 2048 tried: 4 was as good or better).
 constexpr int64_t kVnniPrefetchBytes = 4 * kPrefetchBytes;
+// From this many rows the AVX-512 int4 product widens each tile's codes once (tile4u_vnni).
+// The model's four projections at M = 16 / 32 / 64, int8 ÷ int4 time, alternated processes on
+// an Intel Xeon (AVX-512 VNNI): widened 1.00-1.05 / 0.95-1.03 / 0.93-0.96, not 1.04-1.15 /
+// 0.97-1.00 / 0.88-0.93.
+constexpr int64_t kUnpackInt4Rows = 32;
 
 // Best first is the order of preference; a CPU need not have every kernel below its best (an
 // AMD Zen 4 has AVX-512 VNNI and no AVX-VNNI).
@@ -363,6 +368,40 @@ void tile4_scalar(const Rows& rows, int64_t r0, const Int4Panels& w, float* c, i
 }
 
 #ifdef PSI_X86
+// The AVX-512 int4 tiles' block start and end. Each block's sums start at -8·Σq (nc / 16)
+// when every zero point is 8, else at 0; the end of block b is acc[i][p] +=
+// float(S - zero·Σq)·(d·scale), the panels' scales (and zero points) at their group.
+template <int MR, int NP, bool ZP>
+PSI_VNNI PSI_INLINE void start_block4_512(const Rows& rows, int64_t r0, int64_t b, __m512i s[][NP]) {
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) {
+    const __m512i start = ZP ? _mm512_setzero_si512() : _mm512_set1_epi32(rows.nc[(r0 + i) * rows.nb + b] / 16);
+#pragma GCC unroll 8
+    for (int p = 0; p < NP; ++p) s[i][p] = start;
+  }
+}
+
+template <int MR, int NP, bool ZP>
+PSI_VNNI PSI_INLINE void finish_block4_512(const Rows& rows, int64_t r0, int64_t b, const Int4Panels& w,
+                                           const __m512i s[][NP], __m512 acc[][NP]) {
+  const int64_t g = b / w.blocks_per_group;
+#pragma GCC unroll 8
+  for (int p = 0; p < NP; ++p) {
+    const int64_t at = (p * w.groups + g) * kPanel;
+    const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.scales + at)));
+    __m512i zv = _mm512_setzero_si512();
+    if constexpr (ZP) zv = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.zeros + at)));
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      __m512i exact = s[i][p];
+      if constexpr (ZP)
+        exact = _mm512_sub_epi32(exact, _mm512_mullo_epi32(zv, _mm512_set1_epi32(rows.nc[(r0 + i) * rows.nb + b] / -128)));
+      const __m512 dv = _mm512_set1_ps(rows.d[(r0 + i) * rows.nb + b]);
+      acc[i][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_mul_ps(dv, sv), acc[i][p]);
+    }
+  }
+}
+
 // ZP: the panels have zero points (else every zero point is 8: each block's sum starts at
 // -8·Σq, one broadcast per row, instead of a multiply per row and panel).
 template <int MR, int NP, bool ZP>
@@ -376,12 +415,7 @@ PSI_VNNI void tile4_vnni(const Rows& rows, int64_t r0, const Int4Panels& w, floa
   const int8_t* q = rows.q + r0 * rows.kp;
   for (int64_t b = 0; b < rows.nb; ++b) {
     __m512i s[MR][NP];
-#pragma GCC unroll 8
-    for (int i = 0; i < MR; ++i) {
-      const __m512i start = ZP ? _mm512_setzero_si512() : _mm512_set1_epi32(rows.nc[(r0 + i) * rows.nb + b] / 16);
-#pragma GCC unroll 8
-      for (int p = 0; p < NP; ++p) s[i][p] = start;  // nc / 16 = -8·Σq
-    }
+    start_block4_512<MR, NP, ZP>(rows, r0, b, s);
     const uint8_t* wb = w.codes + b * (kPanelBlock / 2);
 #pragma GCC unroll 4
     for (int t = 0; t < kBlock / 8; ++t) {
@@ -403,27 +437,72 @@ PSI_VNNI void tile4_vnni(const Rows& rows, int64_t r0, const Int4Panels& w, floa
         for (int i = 0; i < MR; ++i) s[i][p] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(s[i][p], lo, x0[i]), hi, x1[i]);
       }
     }
-    const int64_t g = b / w.blocks_per_group;
-#pragma GCC unroll 8
-    for (int p = 0; p < NP; ++p) {
-      const int64_t at = (p * w.groups + g) * kPanel;
-      const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.scales + at)));
-      __m512i zv = _mm512_setzero_si512();
-      if constexpr (ZP) zv = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.zeros + at)));
-#pragma GCC unroll 8
-      for (int i = 0; i < MR; ++i) {
-        __m512i exact = s[i][p];
-        if constexpr (ZP)
-          exact = _mm512_sub_epi32(exact, _mm512_mullo_epi32(zv, _mm512_set1_epi32(rows.nc[(r0 + i) * rows.nb + b] / -128)));
-        const __m512 dv = _mm512_set1_ps(rows.d[(r0 + i) * rows.nb + b]);
-        acc[i][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_mul_ps(dv, sv), acc[i][p]);
-      }
-    }
+    finish_block4_512<MR, NP, ZP>(rows, r0, b, w, s, acc);
   }
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 8
     for (int p = 0; p < NP; ++p) _mm512_storeu_ps(c + i * ldc + p * kPanel, acc[i][p]);
+}
+
+// Many rows against the same panels (AVX-512): each panel's codes are first widened to one
+// byte each, in the int8 panels' layout [in_p / 4, 16, 4] (unpack_codes, once per tile and
+// row block), and this tile runs the int8 tile's loop over them: a load and a `vpdpbusd` per
+// 4 inputs of each panel, where tile4_vnni masks and shifts every code again for every 4
+// rows. The sums are the same exact int32 and the block end is tile4_vnni's: the same bits.
+template <int MR, int NP, bool ZP>
+PSI_VNNI void tile4u_vnni(const Rows& rows, int64_t r0, const Int4Panels& w, const uint8_t* u, int64_t ustride,
+                          float* c, int64_t ldc) {
+  __m512 acc[MR][NP];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+    for (int p = 0; p < NP; ++p) acc[i][p] = _mm512_setzero_ps();
+  const int8_t* q = rows.q + r0 * rows.kp;
+  for (int64_t b = 0; b < rows.nb; ++b) {
+    __m512i s[MR][NP];
+    start_block4_512<MR, NP, ZP>(rows, r0, b, s);
+    const uint8_t* ub = u + b * kPanelBlock;
+#pragma GCC unroll 8
+    for (int t = 0; t < kBlock / 4; ++t) {
+      __m512i wv[NP];
+#pragma GCC unroll 8
+      for (int p = 0; p < NP; ++p) wv[p] = _mm512_loadu_si512(ub + p * ustride + t * 64);
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i) {
+        int32_t four;
+        std::memcpy(&four, q + i * rows.kp + b * kBlock + t * 4, 4);
+        const __m512i xv = _mm512_set1_epi32(four);
+#pragma GCC unroll 8
+        for (int p = 0; p < NP; ++p) s[i][p] = _mm512_dpbusd_epi32(s[i][p], wv[p], xv);
+      }
+    }
+    finish_block4_512<MR, NP, ZP>(rows, r0, b, w, s, acc);
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+    for (int p = 0; p < NP; ++p) _mm512_storeu_ps(c + i * ldc + p * kPanel, acc[i][p]);
+}
+
+// The calling thread's widened codes of its current tile (unpack_codes), kept from call to call.
+std::vector<uint8_t>& unpacked_tile() {
+  thread_local std::vector<uint8_t> u;
+  return u;
+}
+
+// np panels of int4 codes (`stride` bytes apart, kp inputs) → a byte a code in the int8
+// layout at u (panels kp·16 bytes apart): the low nibbles of a 64-byte group of 8 inputs are
+// its first 4 inputs in that layout, the high ones the next 4.
+PSI_VNNI void unpack_codes(const uint8_t* codes, int64_t stride, int np, int64_t kp, uint8_t* u) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int p = 0; p < np; ++p)
+    for (int64_t t = 0; t < kp / 8; ++t) {
+      const __m512i v = _mm512_loadu_si512(codes + p * stride + t * 64);
+      uint8_t* dst = u + p * kp * kPanel + t * 128;
+      _mm512_storeu_si512(dst, _mm512_and_si512(v, low));
+      _mm512_storeu_si512(dst + 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+    }
 }
 
 // The parts of the two 256-bit int4 tiles below that are the same. Half h of a 64-byte group
@@ -566,6 +645,21 @@ struct Int4Tiles {
   }
 };
 
+#ifdef PSI_X86
+// tile4u_vnni, AVX-512 only: the int8 tile's registers (one code vector a panel).
+template <bool ZP>
+struct Int4UnpackedTiles {
+  using Fn = void (*)(const Rows&, int64_t, const Int4Panels&, const uint8_t*, int64_t, float*, int64_t);
+  static constexpr int max_rows(Isa isa) { return Int8Tiles::max_rows(isa); }
+  static constexpr int max_panels(Isa isa, int mr) { return Int8Tiles::max_panels(isa, mr); }
+  template <Isa I, int MR, int NP>
+  static Fn fn() {
+    static_assert(I == Isa::kAvx512Vnni);
+    return &tile4u_vnni<MR, NP, ZP>;
+  }
+};
+#endif
+
 // The tile of mr rows × np panels (within the bounds above), through templates instantiated
 // only for the shapes that run.
 template <class T, Isa I, int MR, int NP = 1>
@@ -610,10 +704,11 @@ Rows quantize(const float* x, int64_t m, int64_t in, int64_t kp) {
 // threads; each thread runs blocks of rows (as many as keep their quantized values in about
 // 128 KB of L2) against each of its tiles, so a tile's panels are read from memory once per
 // row block. tile(mr, r, p0, np, c, ldc) computes mr rows from r against np panels from p0;
-// finish(j, o, acc) is output o's value from its accumulator.
-template <class Tile, class Finish>
+// finish(j, o, acc) is output o's value from its accumulator; prepare(p0, np) runs in the
+// thread before it computes a tile's rows of a row block.
+template <class Tile, class Finish, class Prepare>
 void run_tiles(const Rows& rows, int64_t m, int64_t out, int tm, int tp, const Tile& tile, const Finish& finish,
-               float* y) {
+               float* y, const Prepare& prepare) {
   const int64_t panels = (out + kPanel - 1) / kPanel;
   // Fewer panels a tile where that splits the tiles evenly across the threads: 36 panels (576
   // outputs) in tiles of 8 are 5 tiles, 3 on one thread and 2 on the other; in tiles of 6, 3
@@ -635,6 +730,7 @@ void run_tiles(const Rows& rows, int64_t m, int64_t out, int tm, int tp, const T
         const int64_t p0 = t * tp;
         const int np = static_cast<int>(std::min<int64_t>(tp, panels - p0));
         const int64_t o0 = p0 * kPanel, on = std::min<int64_t>(np * kPanel, out - o0);
+        prepare(p0, np);
         for (int64_t r = r0; r < r1; r += tm) {
           const int mr = static_cast<int>(std::min<int64_t>(tm, r1 - r));
           tile(mr, r, p0, np, c, ldc);
@@ -685,7 +781,7 @@ void linear_rows_packed_int8(const float* x, int64_t m, int64_t in, const uint8_
       [&](int mr, int64_t r, int64_t p0, int np, float* c, int64_t ldc) {
         pick<Int8Tiles>(isa, mr, np)(rows, r, packed + p0 * stride, stride, c, ldc);
       },
-      [&](int64_t o, float acc) { return std::fma(acc, scale[o], bias ? bias[o] : 0.f); }, y);
+      [&](int64_t o, float acc) { return std::fma(acc, scale[o], bias ? bias[o] : 0.f); }, y, [](int64_t, int) {});
 }
 
 // y[r, o] = x[r, :] · W[o, :] (+ bias[o]) for int4 W packed as the int4 section says: codes
@@ -698,16 +794,39 @@ void linear_rows_packed_int4(const float* x, int64_t m, int64_t in, int64_t kp, 
   const Rows rows = quantize(x, m, in, kp);
   const Isa isa = active_isa();
   const int64_t stride = rows.kp * kPanel / 2;
+  const auto panels_at = [&](int64_t p0) {
+    return Int4Panels{codes + p0 * stride, scales + p0 * groups * kPanel, zeros ? zeros + p0 * groups * kPanel : nullptr,
+                      stride, groups, rows.nb / groups};
+  };
+  const auto finish = [&](int64_t o, float acc) { return bias ? acc + bias[o] : acc; };
+#ifdef PSI_X86
+  if (isa == Isa::kAvx512Vnni && m >= kUnpackInt4Rows) {
+    const int tm = Int8Tiles::max_rows(isa), tp = Int8Tiles::max_panels(isa, tm);
+    const int64_t ustride = rows.kp * kPanel;
+    run_tiles(
+        rows, m, out, tm, tp,
+        [&](int mr, int64_t r, int64_t p0, int np, float* c, int64_t ldc) {
+          const auto fn = zeros ? pick_rows<Int4UnpackedTiles<true>, Isa::kAvx512Vnni>(mr, np)
+                                : pick_rows<Int4UnpackedTiles<false>, Isa::kAvx512Vnni>(mr, np);
+          fn(rows, r, panels_at(p0), unpacked_tile().data(), ustride, c, ldc);
+        },
+        finish, y,
+        [&](int64_t p0, int np) {
+          std::vector<uint8_t>& u = unpacked_tile();
+          u.resize(static_cast<size_t>(np * ustride));
+          unpack_codes(codes + p0 * stride, stride, np, rows.kp, u.data());
+        });
+    return;
+  }
+#endif
   const int tm = static_cast<int>(std::min<int64_t>(m, Int4Tiles<true>::max_rows(isa)));
   const int tp = Int4Tiles<true>::max_panels(isa, tm);
   run_tiles(
       rows, m, out, tm, tp,
       [&](int mr, int64_t r, int64_t p0, int np, float* c, int64_t ldc) {
-        const Int4Panels w{codes + p0 * stride, scales + p0 * groups * kPanel,
-                           zeros ? zeros + p0 * groups * kPanel : nullptr, stride, groups, rows.nb / groups};
-        (zeros ? pick<Int4Tiles<true>>(isa, mr, np) : pick<Int4Tiles<false>>(isa, mr, np))(rows, r, w, c, ldc);
+        (zeros ? pick<Int4Tiles<true>>(isa, mr, np) : pick<Int4Tiles<false>>(isa, mr, np))(rows, r, panels_at(p0), c, ldc);
       },
-      [&](int64_t o, float acc) { return bias ? acc + bias[o] : acc; }, y);
+      finish, y, [](int64_t, int) {});
 }
 
 namespace {
