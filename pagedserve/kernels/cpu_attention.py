@@ -110,20 +110,23 @@ class CPUAttentionBackend(TorchAttentionBackend):
     """The torch backend, with decodes and (float32) prefill chunks in the C++ kernels."""
 
     name = "cpu"
-    #: prefill chunks through paged_prefill_attention where the build supports it (AVX-512,
-    #: float32 cache, head_dim 64 or 128); off: the torch backend's SDPA calls
+    #: prefill chunks through paged_prefill_attention where the build supports it (float32
+    #: cache, head_dim 64 or 128; AVX-512, or AVX2 for chunks of up to 1,024 rows); off: the
+    #: torch backend's SDPA calls
     prefill_kernel = True
 
     def attend_prefills(self, query, key, value, kv_cache, metadata, scale, out):
         """The prefill chunks' rows of `out`, from their K/V stored in the cache already, by
         paged_prefill_attention where it is supported; else the torch backend's SDPA calls."""
         kernels = cpu_kernels()
+        nd = metadata.num_decodes
+        longest = max(metadata.query_lens_cpu[nd:], default=0)
         if (not self.prefill_kernel or kernels is None or query.dtype != torch.float32
                 or kv_cache.dtype != torch.float32 or not out.is_contiguous()
-                or not kernels.prefill_attention_supported(query.shape[-1], query.shape[1] // kv_cache.shape[3])):
+                or not kernels.prefill_attention_supported(query.shape[-1], query.shape[1] // kv_cache.shape[3],
+                                                           longest)):
             return super().attend_prefills(query, key, value, kv_cache, metadata, scale, out)
-        nd = metadata.num_decodes
-        if len(metadata.query_lens_cpu) > nd:
+        if longest:
             kernels.paged_prefill_attention(query, kv_cache[0], kv_cache[1], metadata.block_tables[nd:],
                                             metadata.seq_lens[nd:], metadata.query_start_loc[nd:], out, scale)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -9,6 +11,16 @@ from pagedserve.kernels.cpu_attention import CPUAttentionBackend, cpu_kernels
 from pagedserve.kernels.torch_attention import TorchAttentionBackend
 
 from attention_helpers import build_batch, dense_reference
+
+
+def _cpu_flags() -> set[str]:
+    """This CPU's flags (/proc/cpuinfo; empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
+
 
 SHAPES = [
     # (query lens, context lens, heads, kv heads, head_dim, block size)
@@ -100,7 +112,8 @@ def test_fresh_chunks_of_one_length_make_one_group():
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_prefill_kernel_matches_the_reference_and_ignores_the_batch(head_dim):
-    """The CPU backend's prefill kernel (float32, AVX-512 builds): the dense reference's values,
+    """The CPU backend's prefill kernel (float32; AVX-512 builds, and AVX2 ones for chunks of up
+    to 1,024 rows): the dense reference's values,
     and each sequence's rows bitwise the same when the kernel runs on that sequence alone.
     Elsewhere the backend does not call it (SDPA, the first test above)."""
     kernels = cpu_kernels()
@@ -120,9 +133,14 @@ def test_prefill_kernel_matches_the_reference_and_ignores_the_batch(head_dim):
         out = backend.forward(query, key, value, kv_cache, metadata, scale)
     finally:
         kernels.paged_prefill_attention = spy
-    supported = kernels.prefill_attention_supported(head_dim, 3)
+    supported = kernels.prefill_attention_supported(head_dim, 3, max(lens))
     # never for other head sizes, nor for more query heads per KV head than a task's 64 rows
-    assert not kernels.prefill_attention_supported(32, 3) and not kernels.prefill_attention_supported(head_dim, 65)
+    assert not kernels.prefill_attention_supported(32, 3, 100) and not kernels.prefill_attention_supported(head_dim, 65, 100)
+    # x86 builds: AVX-512 at every length, AVX2 (the build is -march=native) up to 1,024 rows
+    flags = _cpu_flags()
+    if "avx2" in flags and "fma" in flags:
+        assert supported and kernels.prefill_attention_supported(head_dim, 3, 1024)
+        assert kernels.prefill_attention_supported(head_dim, 3, 1025) == ("avx512f" in flags)
     assert len(calls) == (1 if supported else 0)  # the kernel, where built for it; else SDPA
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
     if not supported:
