@@ -2,13 +2,12 @@
 
 The torch reference gathers every decode's blocks into a padded copy before attending;
 on CPU that copy costs as much as the attention itself. The kernel in
-csrc/cpu_paged_attention.cpp reads each cached key and value once, in place. On a CPU with
-AVX-512, prefill chunks over a float32 cache (head_dim 64 or 128) go to the same file's prefill
-kernel (its AVX2 build ran slower than SDPA, so AVX2 CPUs keep SDPA), after their
+csrc/cpu_paged_attention.cpp reads each cached key and value once, in place. Prefill chunks
+over a float32 cache (head_dim 64 or 128) go to the same file's prefill kernel, after their
 K/V are stored: many query rows in the vector lanes against each key, one pass over the
-blocks per 64 rows, fresh chunks and chunks after a cached context alike. torch's SDPA, which
-the torch backend calls per group of fresh chunks, took 2 to 2.3 times as long at 128 to 512
-tokens and 1.4 times at 2048 (docs/performance.md). It is built
+blocks per 64 rows (48 on AVX2), fresh chunks and chunks after a cached context alike, on
+AVX-512 and AVX2 builds; elsewhere the torch backend's SDPA calls, per group of fresh chunks
+(docs/performance.md, "CPU prefill attention kernel"). It is built
 with torch's extension builder on first use (cached under ~/.cache/torch_extensions); if
 it cannot be built, the worker logs why and stays on the torch backend.
 
@@ -111,22 +110,19 @@ class CPUAttentionBackend(TorchAttentionBackend):
 
     name = "cpu"
     #: prefill chunks through paged_prefill_attention where the build supports it (float32
-    #: cache, head_dim 64 or 128; AVX-512, or AVX2 for chunks of up to 1,024 rows); off: the
-    #: torch backend's SDPA calls
+    #: cache, head_dim 64 or 128; AVX-512 or AVX2); off: the torch backend's SDPA calls
     prefill_kernel = True
 
     def attend_prefills(self, query, key, value, kv_cache, metadata, scale, out):
         """The prefill chunks' rows of `out`, from their K/V stored in the cache already, by
         paged_prefill_attention where it is supported; else the torch backend's SDPA calls."""
         kernels = cpu_kernels()
-        nd = metadata.num_decodes
-        longest = max(metadata.query_lens_cpu[nd:], default=0)
         if (not self.prefill_kernel or kernels is None or query.dtype != torch.float32
                 or kv_cache.dtype != torch.float32 or not out.is_contiguous()
-                or not kernels.prefill_attention_supported(query.shape[-1], query.shape[1] // kv_cache.shape[3],
-                                                           longest)):
+                or not kernels.prefill_attention_supported(query.shape[-1], query.shape[1] // kv_cache.shape[3])):
             return super().attend_prefills(query, key, value, kv_cache, metadata, scale, out)
-        if longest:
+        nd = metadata.num_decodes
+        if len(metadata.query_lens_cpu) > nd:
             kernels.paged_prefill_attention(query, kv_cache[0], kv_cache[1], metadata.block_tables[nd:],
                                             metadata.seq_lens[nd:], metadata.query_start_loc[nd:], out, scale)
 

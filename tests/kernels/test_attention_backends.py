@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import platform
 from pathlib import Path
 
 import pytest
@@ -112,8 +113,7 @@ def test_fresh_chunks_of_one_length_make_one_group():
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_prefill_kernel_matches_the_reference_and_ignores_the_batch(head_dim):
-    """The CPU backend's prefill kernel (float32; AVX-512 builds, and AVX2 ones for chunks of up
-    to 1,024 rows): the dense reference's values,
+    """The CPU backend's prefill kernel (float32; AVX-512 and AVX2 builds): the dense reference's values,
     and each sequence's rows bitwise the same when the kernel runs on that sequence alone.
     Elsewhere the backend does not call it (SDPA, the first test above)."""
     kernels = cpu_kernels()
@@ -133,14 +133,12 @@ def test_prefill_kernel_matches_the_reference_and_ignores_the_batch(head_dim):
         out = backend.forward(query, key, value, kv_cache, metadata, scale)
     finally:
         kernels.paged_prefill_attention = spy
-    supported = kernels.prefill_attention_supported(head_dim, 3, max(lens))
-    # never for other head sizes, nor for more query heads per KV head than a task's 64 rows
-    assert not kernels.prefill_attention_supported(32, 3, 100) and not kernels.prefill_attention_supported(head_dim, 65, 100)
-    # x86 builds: AVX-512 at every length, AVX2 (the build is -march=native) up to 1,024 rows
+    supported = kernels.prefill_attention_supported(head_dim, 3)
+    # never for other head sizes, nor for more query heads per KV head than a task's rows (64; 48 on AVX2)
+    assert not kernels.prefill_attention_supported(32, 3) and not kernels.prefill_attention_supported(head_dim, 65)
+    # every x86 build with AVX2 and FMA (the build is -march=native): AVX-512 and AVX2 alike
     flags = _cpu_flags()
-    if "avx2" in flags and "fma" in flags:
-        assert supported and kernels.prefill_attention_supported(head_dim, 3, 1024)
-        assert kernels.prefill_attention_supported(head_dim, 3, 1025) == ("avx512f" in flags)
+    assert supported == ("avx2" in flags and "fma" in flags) or platform.machine() not in ("x86_64", "AMD64")
     assert len(calls) == (1 if supported else 0)  # the kernel, where built for it; else SDPA
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
     if not supported:

@@ -10,7 +10,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 void store_kv_int8(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
                    torch::Tensor slots);
 std::string set_decode_attention_isa(const std::string& name);
-bool prefill_attention_supported(int64_t head_dim, int64_t group, int64_t longest_chunk);
+bool prefill_attention_supported(int64_t head_dim, int64_t group);
 void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                              torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_starts,
                              torch::Tensor out, double scale);
@@ -27,9 +27,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the float32 decode attention's vector path: avx512 (where built) or avx2; returns the one in use",
         pybind11::arg("name"));
   m.def("prefill_attention_supported", &prefill_attention_supported,
-        "whether the backend should call paged_prefill_attention for this head_dim, query heads per KV head "
-        "and longest prefill chunk of a step (rows)",
-        pybind11::arg("head_dim"), pybind11::arg("group"), pybind11::arg("longest_chunk"));
+        "whether the backend should call paged_prefill_attention for this head_dim and query heads per KV head",
+        pybind11::arg("head_dim"), pybind11::arg("group"));
   m.def("paged_prefill_attention", &paged_prefill_attention,
         "prefill chunks' attention over a paged float32 KV cache holding their K/V (CPU), into out");
   bind_cpu_decode(m);

@@ -506,12 +506,12 @@ void decode_attention(const T* q, const C* k_cache, const C* v_cache, const int3
 // GCC's vector extensions, so one source builds for AVX-512 and AVX2 (and other CPUs): vectors
 // of 16 floats with AVX-512 (one zmm), of 8 elsewhere (one ymm with AVX2; GCC lowered 16-float
 // vectors without AVX-512 through memory, ten times slower). Register tiles: 4 row vectors ×
-// 4 keys (scores) or × 4 dimensions (values) in AVX-512's 32 registers, 4 × 2 in AVX2's 16.
-// The backend calls it on AVX-512 builds, and on AVX2 ones for steps whose prefill chunks have
-// at most kAvx2LongestChunk rows (prefill_attention_supported): an AVX2 build run on an Intel
-// Xeon with torch's SDPA (and MKL, oneDNN) held to AVX2, attention of one fresh prompt in the
-// engine, 2 threads: 128 tokens 12.5 against 16.5 ms, 512 100 against 137, 2048 1359-1392
-// against 1215-1232 (one thread, one layer: 768 tokens 12.5 against 11.6 ms).
+// 4 keys (scores) or × 4 dimensions (values) in AVX-512's 32 registers, 6 × 2 in AVX2's 16
+// (12 accumulators: 4 × 2 ran 15-20% slower).
+// The backend calls it on AVX-512 and AVX2 builds (prefill_attention_supported). An AVX2 build
+// run on an Intel Xeon against torch's SDPA with MKL and oneDNN held to AVX2, attention of one
+// fresh prompt in the engine, 2 threads: 1024 tokens 305-313 against 406-409 ms, 2048 tokens
+// 1157-1199 against 1315-1317 (with 4 × 2 tiles and no register hint it had lost at 2048).
 #if defined(__AVX512F__)
 typedef float vf __attribute__((vector_size(64)));
 typedef int32_t vi __attribute__((vector_size(64)));
@@ -519,10 +519,18 @@ constexpr int kRowVecs = 4, kAtOnce = 4;
 #else
 typedef float vf __attribute__((vector_size(32)));
 typedef int32_t vi __attribute__((vector_size(32)));
-constexpr int kRowVecs = 4, kAtOnce = 2;
+constexpr int kRowVecs = 6, kAtOnce = 2;
+#endif
+// A vector kept in a register, on AVX2 builds: without this GCC folded the same row vector's
+// load into each of its kAtOnce FMAs, twice the loads (a standalone copy, one thread, 2048
+// tokens: 4 × 2 tiles 50.3 GFLOP/s without it, 55.2 with it; 6 × 2 with it 56-66). AVX-512
+// builds do without it: no gain measured there.
+#if !defined(__AVX512F__) && (defined(__x86_64__) || defined(__i386__))
+#define PSI_IN_REGISTER(x) __asm__("" : "+x"(x))
+#else
+#define PSI_IN_REGISTER(x) (void)0
 #endif
 constexpr int64_t kLanes = sizeof(vf) / sizeof(float), kTaskRows = kLanes * kRowVecs, kKeyTile = 128;
-constexpr int64_t kAvx2LongestChunk = 1024;  // the longest prefill chunk AVX2 builds run here
 
 inline vf splat(float x) { return vf{} + x; }
 
@@ -589,6 +597,7 @@ void prefill_task(const float* q, int64_t q_row_stride, const float* k_cache, co
         for (int v = 0; v < kRowVecs; ++v) {
           vf qv;
           std::memcpy(&qv, &qt[d][v * kLanes], sizeof(qv));
+          PSI_IN_REGISTER(qv);
           for (int a = 0; a < kAtOnce; ++a) acc[a][v] += qv * b[a];
         }
       }
@@ -632,6 +641,7 @@ void prefill_task(const float* q, int64_t q_row_stride, const float* k_cache, co
         for (int v = 0; v < kRowVecs; ++v) {
           vf p;
           std::memcpy(&p, &st[t][v * kLanes], sizeof(p));
+          PSI_IN_REGISTER(p);
           for (int a = 0; a < kAtOnce; ++a) acc[a][v] += p * b[a];
         }
       }
@@ -787,12 +797,9 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 // built for AVX2 (-march=haswell, run on an AVX-512 Xeon) was correct but slower than torch's
 // SDPA held to AVX2 (ATEN_CPU_CAPABILITY=avx2): 7.8 against 4.8 ms at 512 tokens, 105 against
 // 43 at 2048, so AVX2 CPUs keep SDPA.
-bool prefill_attention_supported(int64_t head_dim, int64_t group, int64_t longest_chunk) {
-  const bool shape = (head_dim == 64 || head_dim == 128) && group >= 1 && group <= kTaskRows;
-#if defined(__AVX512F__)
-  return shape;
-#elif defined(__AVX2__) && defined(__FMA__)
-  return shape && longest_chunk <= kAvx2LongestChunk;
+bool prefill_attention_supported(int64_t head_dim, int64_t group) {
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+  return (head_dim == 64 || head_dim == 128) && group >= 1 && group <= kTaskRows;
 #else
   return false;
 #endif
