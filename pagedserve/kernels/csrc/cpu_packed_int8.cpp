@@ -402,16 +402,21 @@ PSI_VNNI PSI_INLINE void finish_block4_512(const Rows& rows, int64_t r0, int64_t
   }
 }
 
+// An AVX-512 int4 tile's accumulators to c.
+template <int MR, int NP>
+PSI_VNNI PSI_INLINE void store_tile4_512(const __m512 acc[][NP], float* c, int64_t ldc) {
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+    for (int p = 0; p < NP; ++p) _mm512_storeu_ps(c + i * ldc + p * kPanel, acc[i][p]);
+}
+
 // ZP: the panels have zero points (else every zero point is 8: each block's sum starts at
 // -8·Σq, one broadcast per row, instead of a multiply per row and panel).
 template <int MR, int NP, bool ZP>
 PSI_VNNI void tile4_vnni(const Rows& rows, int64_t r0, const Int4Panels& w, float* c, int64_t ldc) {
   const __m512i low = _mm512_set1_epi8(0x0F);
-  __m512 acc[MR][NP];
-#pragma GCC unroll 8
-  for (int i = 0; i < MR; ++i)
-#pragma GCC unroll 8
-    for (int p = 0; p < NP; ++p) acc[i][p] = _mm512_setzero_ps();
+  __m512 acc[MR][NP] = {};
   const int8_t* q = rows.q + r0 * rows.kp;
   for (int64_t b = 0; b < rows.nb; ++b) {
     __m512i s[MR][NP];
@@ -439,10 +444,7 @@ PSI_VNNI void tile4_vnni(const Rows& rows, int64_t r0, const Int4Panels& w, floa
     }
     finish_block4_512<MR, NP, ZP>(rows, r0, b, w, s, acc);
   }
-#pragma GCC unroll 8
-  for (int i = 0; i < MR; ++i)
-#pragma GCC unroll 8
-    for (int p = 0; p < NP; ++p) _mm512_storeu_ps(c + i * ldc + p * kPanel, acc[i][p]);
+  store_tile4_512<MR, NP>(acc, c, ldc);
 }
 
 // Many rows against the same panels (AVX-512): each panel's codes are first widened to one
@@ -453,11 +455,7 @@ PSI_VNNI void tile4_vnni(const Rows& rows, int64_t r0, const Int4Panels& w, floa
 template <int MR, int NP, bool ZP>
 PSI_VNNI void tile4u_vnni(const Rows& rows, int64_t r0, const Int4Panels& w, const uint8_t* u, int64_t ustride,
                           float* c, int64_t ldc) {
-  __m512 acc[MR][NP];
-#pragma GCC unroll 8
-  for (int i = 0; i < MR; ++i)
-#pragma GCC unroll 8
-    for (int p = 0; p < NP; ++p) acc[i][p] = _mm512_setzero_ps();
+  __m512 acc[MR][NP] = {};
   const int8_t* q = rows.q + r0 * rows.kp;
   for (int64_t b = 0; b < rows.nb; ++b) {
     __m512i s[MR][NP];
@@ -479,10 +477,7 @@ PSI_VNNI void tile4u_vnni(const Rows& rows, int64_t r0, const Int4Panels& w, con
     }
     finish_block4_512<MR, NP, ZP>(rows, r0, b, w, s, acc);
   }
-#pragma GCC unroll 8
-  for (int i = 0; i < MR; ++i)
-#pragma GCC unroll 8
-    for (int p = 0; p < NP; ++p) _mm512_storeu_ps(c + i * ldc + p * kPanel, acc[i][p]);
+  store_tile4_512<MR, NP>(acc, c, ldc);
 }
 
 // The calling thread's widened codes of its current tile (unpack_codes), kept from call to call.
