@@ -68,8 +68,8 @@ constexpr int64_t kPrefetchBytes = 2048;    // the panel bytes an AVX2 tile pref
 constexpr int64_t kVnniPrefetchBytes = 4 * kPrefetchBytes;
 // From this many rows the AVX-512 int4 product widens each tile's codes once (tile4u_vnni).
 // The model's four projections at M = 16 / 32 / 64, int8 ÷ int4 time, alternated processes on
-// an Intel Xeon (AVX-512 VNNI): widened 1.00-1.05 / 0.95-1.03 / 0.93-0.96, not 1.04-1.15 /
-// 0.97-1.00 / 0.88-0.93.
+// an Intel Xeon (AVX-512 VNNI): widened 1.00-1.06 / 0.95-1.03 / 0.93-0.975, not 1.04-1.15 /
+// 0.93-1.00 / 0.88-0.93.
 constexpr int64_t kUnpackInt4Rows = 32;
 
 // Best first is the order of preference; a CPU need not have every kernel below its best (an
