@@ -13,16 +13,6 @@ from pagedserve.kernels.torch_attention import TorchAttentionBackend
 
 from attention_helpers import build_batch, dense_reference
 
-
-def _cpu_flags() -> set[str]:
-    """This CPU's flags (/proc/cpuinfo; empty where there is none)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    return set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
-
-
 SHAPES = [
     # (query lens, context lens, heads, kv heads, head_dim, block size)
     ([1, 1, 1], [5, 33, 16], 4, 4, 16, 16),  # MHA decodes, one exactly a block
@@ -137,7 +127,8 @@ def test_prefill_kernel_matches_the_reference_and_ignores_the_batch(head_dim):
     # never for other head sizes, nor for more query heads per KV head than a task's rows (64; 48 on AVX2)
     assert not kernels.prefill_attention_supported(32, 3) and not kernels.prefill_attention_supported(head_dim, 65)
     # every x86 build with AVX2 and FMA (the build is -march=native): AVX-512 and AVX2 alike
-    flags = _cpu_flags()
+    cpuinfo = Path("/proc/cpuinfo")  # the kernel's flags, as tests/kernels/test_cpu_packed_int8.py reads them
+    flags = set(cpuinfo.read_text().split()) if cpuinfo.exists() else set()
     assert supported == ("avx2" in flags and "fma" in flags) or platform.machine() not in ("x86_64", "AMD64")
     assert len(calls) == (1 if supported else 0)  # the kernel, where built for it; else SDPA
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
