@@ -68,7 +68,9 @@ def test_vector_decode_path_matches_the_reference_and_ignores_the_batch(attentio
     64 and 128): contexts around the groups of 8 or 16 keys they score at once and the blocks
     (1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 150), GQA 3, against the float64 reference; and each
     sequence's rows are the same bits alone as in the batch (its own blocks, whatever else
-    shares the call). A build without AVX2 + FMA runs its generic loops for both."""
+    shares the call). On 2 threads the batch of 11 runs one task per sequence (from 4 sequences
+    a thread) and a sequence alone one per KV head: the two task shapes give the same bits. A
+    build without AVX2 + FMA runs its generic loops for both."""
     lens = [1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 150]
     query, key, value, kv_cache, metadata = build_batch([1] * len(lens), lens, 9, 3, head_dim, block_size,
                                                         torch.float32)
@@ -77,7 +79,12 @@ def test_vector_decode_path_matches_the_reference_and_ignores_the_batch(attentio
     backend = CPUAttentionBackend()
     metadata.backend = backend
     backend.prepare(metadata, block_size)
-    out = backend.forward(query, key, value, kv_cache, metadata, scale)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out = backend.forward(query, key, value, kv_cache, metadata, scale)
+    finally:
+        torch.set_num_threads(threads)
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
     tables, seq_lens = metadata.block_tables, metadata.seq_lens
     for i in range(len(lens)):
