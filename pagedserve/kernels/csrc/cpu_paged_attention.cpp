@@ -4,6 +4,8 @@
 // cached key and value exactly once, straight from its block (no gather into a padded
 // copy), accumulating in float32, in a single pass over the blocks (online softmax). Same
 // function as the torch reference in kernels/torch_attention.py; tests compare the two.
+// Batches of float32 decodes on the vector path run one task per sequence instead
+// (decode_by_sequence): the same per-head steps, each block read whole for all KV heads.
 //
 // The cache is the model's dtype, or int8 rows (kernels/reference_ops.py): head_dim int8
 // values and then the row's float32 scale, a row being head_dim + 4 bytes wide. An int8 key's
