@@ -60,16 +60,18 @@ constexpr int64_t kBlock = 32;          // activation values per scale
 constexpr int64_t kPanelBlock = kPanel * kBlock;  // bytes of one panel's block of 32 inputs
 constexpr int64_t kBlockBytes = 128 << 10;  // the quantized rows one row block keeps in L2
 constexpr int64_t kPrefetchBytes = 2048;    // the panel bytes an AVX2 tile prefetches ahead
-// The AVX-512 tiles prefetch the thread's next tile instead (`next`, see run_tiles), into L2 and
-// at the pace they read their own: each step over NP panels' 64-byte lines asks for NP lines of
-// the next tile, in its order in memory, so the next tile is in L2 when it starts and nothing is
+// The AVX-512 tiles prefetch the thread's next tile instead (NextTile, see run_tiles), into L2
+// and at the pace they read their own: each step over NP panels' 64-byte lines asks for the next
+// NP lines of the next tile, in its order in memory (none past its end), so the next tile is in
+// L2 when it starts. Only the first rows of a row block ask, so within a row block no line is
 // asked twice. A tile's panels are NP streams that end every 4.6 KB (int4, 576 inputs): a fixed
 // distance ahead in each (8 KB, T0, before) reached past the tile's end into panels the tile
 // itself or the next one read anyway, and into L1, whose few outstanding misses it filled. The
 // model's 120 linears at M = 1, 2 threads, AMD EPYC Zen 4, the two alternated in one process
 // (median of 15): int4 2.40 against 2.83 ms (24.8 against 21.1 GB/s; the read bandwidth is 31),
-// int8 4.30 against 4.64; M = 16 (with the T2 hint, as fast as T1 at M = 1): int4 7.85 against
-// 8.92, int8 8.23 against 9.33. No prefetch at all: int4 2.45 at M = 1, 9.30 at M = 16.
+// int8 4.30 against 4.64 (the next tile with the T2 hint; T1, kept, as fast for int4 at M = 1,
+// 2.40; at M = 16 only T2 was measured: int4 7.85 against 8.92, int8 8.23 against 9.33). No
+// prefetch at all: int4 2.45 at M = 1, 9.30 at M = 16.
 // From this many rows the AVX-512 int4 product widens each tile's codes once (tile4u_vnni).
 // The model's four projections at M = 16 / 32 / 64, int8 ÷ int4 time, alternated processes on
 // an Intel Xeon (AVX-512 VNNI): widened 1.00-1.06 / 0.95-1.03 / 0.93-0.975, not 1.04-1.15 /
@@ -111,6 +113,12 @@ Isa active_isa() { return best_isa_up_to(forced_isa); }
 
 // The activations of one call, quantized: row r's values q[r·kp ...] (kp = in_p, the padding
 // 0), its block scales d[r·nb + b] and -128·Σq of each block nc[r·nb + b] (nb = kp / 32).
+// The bytes of the thread's next tile, which the AVX-512 tiles prefetch (lines 0: none).
+struct NextTile {
+  const uint8_t* at = nullptr;
+  int64_t lines = 0;  // 64-byte lines
+};
+
 struct Rows {
   const int8_t* q;
   const float* d;
@@ -147,7 +155,7 @@ void quantize_rows(const float* x, int64_t m, int64_t in, int64_t kp, int8_t* q,
 // c[i][p·16 + j] = the accumulator (before the row scale) of row i against output j of panel p,
 // for MR rows at q (rows `rows.kp` apart) and NP panels at w (panel_stride bytes apart).
 template <int MR, int NP>
-void tile_scalar(const Rows& rows, int64_t r0, const uint8_t* w, int64_t panel_stride, const uint8_t*, float* c,
+void tile_scalar(const Rows& rows, int64_t r0, const uint8_t* w, int64_t panel_stride, const NextTile&, float* c,
                  int64_t ldc) {
   for (int i = 0; i < MR; ++i)
     for (int p = 0; p < NP; ++p)
@@ -166,13 +174,13 @@ void tile_scalar(const Rows& rows, int64_t r0, const uint8_t* w, int64_t panel_s
 }
 
 #ifdef PSI_X86
-// Asks for line `line` of the thread's next tile (at `next`; null: none) into L2.
-PSI_INLINE void prefetch_next(const uint8_t* next, int64_t line) {
-  if (next) _mm_prefetch(reinterpret_cast<const char*>(next) + line * 64, _MM_HINT_T1);
+// Asks for line `line` of the thread's next tile into L2, if the tile has that line.
+PSI_INLINE void prefetch_next(const NextTile& next, int64_t line) {
+  if (line < next.lines) _mm_prefetch(reinterpret_cast<const char*>(next.at) + line * 64, _MM_HINT_T1);
 }
 
 template <int MR, int NP>
-PSI_VNNI void tile_vnni(const Rows& rows, int64_t r0, const uint8_t* w, int64_t panel_stride, const uint8_t* next,
+PSI_VNNI void tile_vnni(const Rows& rows, int64_t r0, const uint8_t* w, int64_t panel_stride, const NextTile& next,
                         float* c, int64_t ldc) {
   __m512 acc[MR][NP];
 #pragma GCC unroll 8
@@ -246,7 +254,7 @@ PSI_AVX2 PSI_INLINE void store_tile_256(const __m256 acc[][MR][2], float* c, int
 }
 
 template <int MR, int NP>
-PSI_AVX2 void tile_avx2(const Rows& rows, int64_t r0, const uint8_t* w, int64_t panel_stride, const uint8_t*,
+PSI_AVX2 void tile_avx2(const Rows& rows, int64_t r0, const uint8_t* w, int64_t panel_stride, const NextTile&,
                         float* c, int64_t ldc) {
   const __m256i c128 = _mm256_set1_epi8(static_cast<char>(0x80));
   const __m256i ones = _mm256_set1_epi16(1);
@@ -289,7 +297,7 @@ PSI_AVX2 void tile_avx2(const Rows& rows, int64_t r0, const uint8_t* w, int64_t 
 // The `avx512vnni` tile on 256 bits: each panel is two halves of 8 outputs (bytes 0-31 and
 // 32-63 of a 64-byte group), each block's sum starts at -128·Σq as there.
 template <int MR, int NP>
-PSI_AVXVNNI void tile_avxvnni(const Rows& rows, int64_t r0, const uint8_t* w, int64_t panel_stride, const uint8_t*,
+PSI_AVXVNNI void tile_avxvnni(const Rows& rows, int64_t r0, const uint8_t* w, int64_t panel_stride, const NextTile&,
                               float* c, int64_t ldc) {
   __m256 acc[NP][MR][2] = {};
   const int8_t* q = rows.q + r0 * rows.kp;
@@ -348,7 +356,7 @@ struct Int4Panels {
   const uint16_t* scales; // panel p0's float16 scales (their bits); panels `groups`·16 apart
   const uint8_t* zeros;   // likewise, or null (symmetric)
   int64_t stride, groups, blocks_per_group;
-  const uint8_t* next;    // the thread's next tile's codes, prefetched by the AVX-512 tile (null: none)
+  NextTile next;          // the thread's next tile's codes, prefetched by the AVX-512 tile
 };
 
 // A float16's value as float32 (exact), in plain C++ for the scalar tiles.
@@ -614,7 +622,7 @@ PSI_TILE4_256(tile4_avxvnni, PSI_AVXVNNI, PSI_PRODUCT4_AVXVNNI)
 // wait in L1 between blocks (4 rows took 4-7% less time than 3 at 4-256 rows on an Intel Xeon
 // with AVX-512 and AVX-VNNI, these tiles forced; 2 rows were not timed).
 struct Int8Tiles {
-  using Fn = void (*)(const Rows&, int64_t, const uint8_t*, int64_t, const uint8_t*, float*, int64_t);
+  using Fn = void (*)(const Rows&, int64_t, const uint8_t*, int64_t, const NextTile&, float*, int64_t);
   static constexpr int max_rows(Isa isa) { return isa == Isa::kAvx2 ? 2 : 4; }
   static constexpr int max_panels(Isa isa, int mr) {
     if (isa == Isa::kAvx512Vnni) return mr == 1 ? 8 : mr == 2 ? 5 : mr == 3 ? 4 : 3;
@@ -709,9 +717,9 @@ Rows quantize(const float* x, int64_t m, int64_t in, int64_t kp) {
 // The loops of both weight kinds: the tiles of `tp` panels split across torch's intra-op
 // threads; each thread runs blocks of rows (as many as keep their quantized values in about
 // 128 KB of L2) against each of its tiles, so a tile's panels are read from memory once per
-// row block. tile(mr, r, p0, np, next, c, ldc) computes mr rows from r against np panels from
-// p0; next is the first panel of the thread's next tile, which the tile may prefetch, or -1 (its
-// last tile, or not the first rows of the row block, the next tile then asked for already);
+// row block. tile(mr, r, p0, np, next_np, c, ldc) computes mr rows from r against np panels
+// from p0; the thread's next tile, which the tile may prefetch, is the next_np panels from p0 + np
+// (0: none, at its last tile, or past the first rows of the row block, which asked already);
 // finish(j, o, acc) is output o's value from its accumulator; prepare(p0, np) runs in the
 // thread before it computes a tile's rows of a row block.
 template <class Tile, class Finish, class Prepare>
@@ -741,7 +749,7 @@ void run_tiles(const Rows& rows, int64_t m, int64_t out, int tm, int tp, const T
         prepare(p0, np);
         for (int64_t r = r0; r < r1; r += tm) {
           const int mr = static_cast<int>(std::min<int64_t>(tm, r1 - r));
-          tile(mr, r, p0, np, r == r0 && t + 1 < end ? p0 + tp : -1, c, ldc);
+          tile(mr, r, p0, np, r == r0 && t + 1 < end ? std::min<int64_t>(tp, panels - p0 - np) : 0, c, ldc);
           for (int i = 0; i < mr; ++i) {
             float* yr = y + (r + i) * out + o0;
             const float* cr = c + i * ldc;
@@ -786,9 +794,9 @@ void linear_rows_packed_int8(const float* x, int64_t m, int64_t in, const uint8_
   const int64_t stride = rows.kp * kPanel;
   run_tiles(
       rows, m, out, tm, tp,
-      [&](int mr, int64_t r, int64_t p0, int np, int64_t next, float* c, int64_t ldc) {
-        pick<Int8Tiles>(isa, mr, np)(rows, r, packed + p0 * stride, stride, next < 0 ? nullptr : packed + next * stride,
-                                     c, ldc);
+      [&](int mr, int64_t r, int64_t p0, int np, int64_t next_np, float* c, int64_t ldc) {
+        const NextTile next{packed + (p0 + np) * stride, next_np * stride / 64};
+        pick<Int8Tiles>(isa, mr, np)(rows, r, packed + p0 * stride, stride, next, c, ldc);
       },
       [&](int64_t o, float acc) { return std::fma(acc, scale[o], bias ? bias[o] : 0.f); }, y, [](int64_t, int) {});
 }
@@ -803,9 +811,9 @@ void linear_rows_packed_int4(const float* x, int64_t m, int64_t in, int64_t kp, 
   const Rows rows = quantize(x, m, in, kp);
   const Isa isa = active_isa();
   const int64_t stride = rows.kp * kPanel / 2;
-  const auto panels_at = [&](int64_t p0, int64_t next) {
+  const auto panels_at = [&](int64_t p0, int np, int64_t next_np) {
     return Int4Panels{codes + p0 * stride, scales + p0 * groups * kPanel, zeros ? zeros + p0 * groups * kPanel : nullptr,
-                      stride, groups, rows.nb / groups, next < 0 ? nullptr : codes + next * stride};
+                      stride, groups, rows.nb / groups, NextTile{codes + (p0 + np) * stride, next_np * stride / 64}};
   };
   const auto finish = [&](int64_t o, float acc) { return bias ? acc + bias[o] : acc; };
 #ifdef PSI_X86
@@ -817,7 +825,7 @@ void linear_rows_packed_int4(const float* x, int64_t m, int64_t in, int64_t kp, 
         [&](int mr, int64_t r, int64_t p0, int np, int64_t, float* c, int64_t ldc) {
           const auto fn = zeros ? pick_rows<Int4UnpackedTiles<true>, Isa::kAvx512Vnni>(mr, np)
                                 : pick_rows<Int4UnpackedTiles<false>, Isa::kAvx512Vnni>(mr, np);
-          fn(rows, r, panels_at(p0, -1), unpacked_tile().data(), ustride, c, ldc);
+          fn(rows, r, panels_at(p0, np, 0), unpacked_tile().data(), ustride, c, ldc);
         },
         finish, y,
         [&](int64_t p0, int np) {
@@ -832,9 +840,9 @@ void linear_rows_packed_int4(const float* x, int64_t m, int64_t in, int64_t kp, 
   const int tp = Int4Tiles<true>::max_panels(isa, tm);
   run_tiles(
       rows, m, out, tm, tp,
-      [&](int mr, int64_t r, int64_t p0, int np, int64_t next, float* c, int64_t ldc) {
-        (zeros ? pick<Int4Tiles<true>>(isa, mr, np) : pick<Int4Tiles<false>>(isa, mr, np))(rows, r, panels_at(p0, next), c,
-                                                                                             ldc);
+      [&](int mr, int64_t r, int64_t p0, int np, int64_t next_np, float* c, int64_t ldc) {
+        const auto fn = zeros ? pick<Int4Tiles<true>>(isa, mr, np) : pick<Int4Tiles<false>>(isa, mr, np);
+        fn(rows, r, panels_at(p0, np, next_np), c, ldc);
       },
       finish, y, [](int64_t, int) {});
 }

@@ -349,6 +349,7 @@ void decode_by_sequence(VectorBlockFn vector_block, const float* q, const float*
         sum(num_heads);
     int64_t ahead_seq = begin, ahead_block = 0;  // the cursor: the next block to prefetch
     auto prefetch_ahead = [&]() {
+      while (ahead_seq < end && seq_lens[ahead_seq] <= 0) ++ahead_seq;  // no blocks to read
       if (ahead_seq >= end) return;
       const int64_t len = seq_lens[ahead_seq], first = ahead_block * block_size;
       if (first < len) {
