@@ -869,10 +869,9 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 }
 
 // Whether the backend should call paged_prefill_attention for this head_dim and number of
-// query heads per KV head (at most one task's rows): a build with AVX-512 only. The same source
-// built for AVX2 (-march=haswell, run on an AVX-512 Xeon) was correct but slower than torch's
-// SDPA held to AVX2 (ATEN_CPU_CAPABILITY=avx2): 7.8 against 4.8 ms at 512 tokens, 105 against
-// 43 at 2048, so AVX2 CPUs keep SDPA.
+// query heads per KV head (at most one task's rows): a build with AVX-512, or with AVX2 and FMA
+// (the AVX2 figures against SDPA are in the "prefill attention" section above); other builds
+// keep SDPA.
 bool prefill_attention_supported(int64_t head_dim, int64_t group) {
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   return (head_dim == 64 || head_dim == 128) && group >= 1 && group <= kTaskRows;
