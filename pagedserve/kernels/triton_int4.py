@@ -3,16 +3,18 @@ bfloat16 or float32 [M, K] and W in the int4 layout of plugins/int4_quantization
 as it is stored, nothing repacked): uint8 qweight [N, padded / 2], two 4-bit codes a byte in
 Q4_0's order (byte i of each block of 32 inputs holds input i in its low nibble, input i + 16
 in its high one), float16 scales [N, padded / group] (widened to float32 as they are loaded)
-and, asymmetric, uint8 zero points of the same shape (symmetric: 8). `padded` is K rounded up to the group (a multiple of 32).
+and, asymmetric, uint8 zero points of the same shape in sixteenths of a step (z = z16 / 16;
+symmetric: 8). `padded` is K rounded up to the group (a multiple of 32).
 
 Each program computes a [BLOCK_M, BLOCK_N] tile of y and walks K in BLOCK_K steps, BLOCK_K a
 power of two that divides the group, so a step lies in one group. A step loads BLOCK_K / 2
 bytes of each of its weight rows and splits them into two code tiles, the low and the high
 nibbles; x is read in the same order (the inputs of the low nibbles, then those of the
-high ones), so nothing is shuffled in registers. The codes minus the zero point (-15..15,
-exact in every float type) are widened to x's dtype, two tl.dot accumulate x · (q - z)
-into a float32 partial, and the group's scale multiplies that partial once into the float32
-accumulator; the bias is added and the tile rounded to x's dtype at the end. The weight is
+high ones), so nothing is shuffled in registers. The codes minus the zero point (q - 8,
+-8..7, symmetric; 16·q - z16, -255..240, with zero points; exact in every float type) are
+widened to x's dtype, two tl.dot accumulate x · (q - z) (or 16 times it) into a float32
+partial, and the group's scale (divided by 16 with zero points) multiplies that partial once
+into the float32 accumulator; the bias is added and the tile rounded to x's dtype at the end. The weight is
 read once per BLOCK_M rows of x, as 4-bit codes: a decode step reads a quarter of the bytes
 a bf16 weight takes (plus a scale per group). When the output tiles are too few to fill the
 GPU (small M), K is split across programs (`split_k_for`) and a second kernel adds their
@@ -52,6 +54,7 @@ triton = triton_ops.triton
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK = 32  # inputs per packed block of 16 bytes (Q4_0's order); every group is a multiple of it
 SYMMETRIC_ZERO = 8  # the zero point of a symmetric group (no zero points stored)
+ZERO_STEPS = 16  # stored zero points are sixteenths of a step: z = z16 / 16
 
 if triton is not None:
     import triton.language as tl
@@ -85,15 +88,17 @@ if triton is not None:
             codes = tl.load(q_cols + (k0 // 2 + rb)[:, None], mask=n_ok[None, :], other=0)
             group = k0 // GROUP
             scale = tl.load(scale_ptr + group_cols + group, mask=n_ok, other=0.0).to(tl.float32)
-            if HAS_ZERO:
-                zero = tl.load(zero_ptr + group_cols + group, mask=n_ok, other=0).to(tl.int32)
-            else:
-                zero = tl.full([BLOCK_N], 8, tl.int32)
             if DOT_FP32:
                 xa = xa.to(tl.float32)
                 xb = xb.to(tl.float32)
-            wa = ((codes & 15).to(tl.int32) - zero[None, :]).to(xa.dtype)
-            wb = ((codes >> 4).to(tl.int32) - zero[None, :]).to(xa.dtype)
+            if HAS_ZERO:  # zero points in sixteenths: 16·q - z16 (-255..240, exact), the scale / 16
+                zero = tl.load(zero_ptr + group_cols + group, mask=n_ok, other=0).to(tl.int32)
+                wa = ((codes & 15).to(tl.int32) * 16 - zero[None, :]).to(xa.dtype)
+                wb = ((codes >> 4).to(tl.int32) * 16 - zero[None, :]).to(xa.dtype)
+                scale = scale * 0.0625
+            else:
+                wa = ((codes & 15).to(tl.int32) - 8).to(xa.dtype)
+                wb = ((codes >> 4).to(tl.int32) - 8).to(xa.dtype)
             part = tl.dot(xa, wa, input_precision=DOT_PRECISION)
             part = tl.dot(xb, wb, part, input_precision=DOT_PRECISION)
             acc += part * scale[None, :]
@@ -135,12 +140,13 @@ if triton is not None:
         groups = rows * (half * 2 // GROUP) + (lo // GROUP)[None, :]  # a 32-input block lies in one group
         ok = n_ok[:, None] & (lo < K)[None, :]
         scale = tl.load(scale_ptr + groups, mask=ok, other=0.0).to(tl.float32)
-        if HAS_ZERO:
+        if HAS_ZERO:  # in sixteenths: (16·q - z16)·(s / 16), the same rounded product as (q - z)·s
             zero = tl.load(zero_ptr + groups, mask=ok, other=0).to(tl.int32)
+            low = ((codes & 15).to(tl.int32) * 16 - zero).to(tl.float32) * (scale * 0.0625)
+            high = ((codes >> 4).to(tl.int32) * 16 - zero).to(tl.float32) * (scale * 0.0625)
         else:
-            zero = tl.full([BLOCK_N, BLOCK_B], 8, tl.int32)
-        low = ((codes & 15).to(tl.int32) - zero).to(tl.float32) * scale
-        high = ((codes >> 4).to(tl.int32) - zero).to(tl.float32) * scale
+            low = ((codes & 15).to(tl.int32) - 8).to(tl.float32) * scale
+            high = ((codes >> 4).to(tl.int32) - 8).to(tl.float32) * scale
         out = w_ptr + rows * K
         tl.store(out + lo[None, :], low.to(w_ptr.dtype.element_ty), mask=ok)
         tl.store(out + (lo + 16)[None, :], high.to(w_ptr.dtype.element_ty), mask=n_ok[:, None] & (lo + 16 < K)[None, :])
@@ -149,11 +155,12 @@ if triton is not None:
 def dequantize_ref(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int,
                    in_features: int) -> torch.Tensor:
     """The float32 weight [N, in_features] of the int4 layout (plugins/int4_quantization.py's
-    `dequantize`, which the kernels may not import): (q - z) · s."""
+    `dequantize`, which the kernels may not import): (q - z16 / 16) · s."""
     n, half = qweight.shape
     blocks = qweight.reshape(n, half // (BLOCK // 2), BLOCK // 2)
     codes = torch.stack([blocks & 15, blocks >> 4], dim=2).reshape(n, 2 * half).float()
-    zero = zeros.float() if zeros is not None else torch.full_like(scales, SYMMETRIC_ZERO, dtype=torch.float32)
+    zero = zeros.float() / ZERO_STEPS if zeros is not None else torch.full_like(scales, SYMMETRIC_ZERO,
+                                                                                dtype=torch.float32)
     w = (codes.reshape(n, -1, group_size) - zero[:, :, None]) * scales.float()[:, :, None]
     return w.reshape(n, 2 * half)[:, :in_features]
 

@@ -18,7 +18,7 @@ AWQ (AutoAWQ, `version` "gemm"):
     w[n, k] = (q - z)·s
 
 The codes, zero points and scales are moved into the int4 layout (codes transposed to
-[out, in] and packed two a byte, zero points as uint8, scales kept float16; a checkpoint that
+[out, in] and packed two a byte, zero points as uint8 sixteenths (16·z), scales kept float16; a checkpoint that
 stored wider scales has them rounded to float16): no weight is
 dequantized to float. Only 4-bit, in-order groups that are a multiple of 32 inputs load;
 anything else is refused by `read_format` with the field that says so.
@@ -37,6 +37,7 @@ from pagedserve.plugins.int4_group_fit import float16_values
 from pagedserve.plugins.int4_quantization import (
     BLOCK,
     SYMMETRIC_ZERO,
+    ZERO_STEPS,
     Int4Linear,
     Int4Weights,
     pack_codes,
@@ -125,7 +126,10 @@ def repack(fmt: CheckpointFormat, name: str, qweight: torch.Tensor, qzeros: torc
                          f"{k} inputs in groups of {group} and {out} outputs")
     if g_idx is not None and not torch.equal(g_idx.to(torch.int64), torch.arange(k) // group):
         raise UnsupportedCheckpoint("desc_act", f"{name}.g_idx is not in input order (act-order checkpoint)")
-    zero_t = zeros.T.to(torch.uint8).contiguous()
+    if int(zeros.max()) > 15:  # GPTQ v1 stores zero - 1, so a zero point of 0 comes back as 16
+        raise UnsupportedCheckpoint("qzeros", f"{name}: a zero point of {int(zeros.max())} (above 15) does not fit "
+                                              "4 bits; re-save the checkpoint as gptq_v2")
+    zero_t = (zeros.T * ZERO_STEPS).to(torch.uint8).contiguous()  # whole zero points, in sixteenths
     symmetric = bool((zero_t == SYMMETRIC_ZERO).all())
     return Int4Weights(qweight=pack_codes(codes.T.to(torch.uint8).contiguous()),
                        scales=float16_values(scales.T).half().contiguous(), zeros=None if symmetric else zero_t,

@@ -19,7 +19,8 @@ columns not quantized yet absorb each column's error:
 - group-wise scales: when column j begins a group, that group's scale and zero point are
   fitted (int4_group_fit.py: round-to-nearest of the range, or the scale search, weighing each
   input by H_jj with `weighted_fit`) to the group's weights as they are then, after the updates of every column before it; each of
-  its columns is then rounded to the nearest code of that scale: q = clamp(round(w / s) + z, 0, 15).
+  its columns is then rounded to the nearest code of that scale: q = clamp(round(w / s + f) + i, 0, 15)
+  for the zero point z = i + f (stored in sixteenths, z16 / 16: i whole, f the fraction).
 
 With H = I (or any diagonal H) U is diagonal, no column moves another, and the codes, scales
 and zero points are exactly those of `int4_quantization.quantize` with the same fit. Whether
@@ -36,7 +37,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from pagedserve.plugins.int4_group_fit import fit_asymmetric, fit_symmetric
+from pagedserve.plugins.int4_group_fit import (
+    ZERO_STEPS,
+    fit_asymmetric,
+    fit_symmetric,
+    zero_resolution,
+)
 
 DAMP = 0.01  # λ / mean(diag H): the paper's (and its code's) default dampening
 BLOCK_COLUMNS = 128  # columns per lazy-batch block; rounded down to a multiple of the group size
@@ -101,7 +107,7 @@ def _column_threads(device: torch.device) -> Iterator[None]:
 def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, symmetric: bool,
                   search: bool = True, damp: float = DAMP, weighted_fit: bool = False
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(codes uint8 [out, padded_in], scales [out, groups], zero points uint8 [out, groups]) of
+    """(codes uint8 [out, padded_in], scales [out, groups], zero points uint8 [out, groups], in sixteenths) of
     a float weight [out, in] from its inputs' Hessian [in, in] (Σ xᵀx), the inputs padded with
     zeros to a multiple of `group_size` as `int4_quantization.quantize` pads them. It computes
     in float32 (float64 for a float64 weight: the tests' reference), the scales too."""
@@ -118,7 +124,6 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, 
     W[:, dead] = 0.0
     importance = h.diagonal().to(w.dtype).reshape(1, padded // group_size, group_size) if weighted_fit else None
     U = _upper_inverse_factor(h, damp).to(w.dtype)
-    fit = fit_symmetric if symmetric else fit_asymmetric
     codes = torch.empty(out, padded, dtype=torch.uint8, device=w.device)
     scales = torch.empty(out, padded // group_size, dtype=w.dtype, device=w.device)
     zeros = torch.empty(out, padded // group_size, dtype=torch.uint8, device=w.device)
@@ -132,11 +137,15 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, 
             for g0 in range(0, b1 - b0, group_size):
                 group = (b0 + g0) // group_size
                 weights = None if importance is None else importance[:, group : group + 1]
-                _, scale, zero = fit(Wb[:, None, g0 : g0 + group_size], search, weights)
-                s, z = scale[:, 0], zero[:, 0].float()
+                part = Wb[:, None, g0 : g0 + group_size]
+                _, scale, zero = (fit_symmetric(part, search, weights) if symmetric
+                                  else fit_asymmetric(part, search, weights, zero_resolution(group_size)))
+                s, z = scale[:, 0], zero[:, 0].float() / ZERO_STEPS  # stored in sixteenths
+                whole = torch.floor(z)
+                fraction = z - whole
                 scales[:, group], zeros[:, group] = s, zero[:, 0]
                 for j in range(g0, g0 + group_size):
-                    q = torch.round(Wb[:, j] / s).add_(z).clamp_(0, 15)
+                    q = torch.round(Wb[:, j] / s + fraction).add_(whole).clamp_(0, 15)
                     codes[:, b0 + j] = q.to(torch.uint8)
                     error = (Wb[:, j] - (q - z) * s) / Ub[j, j]
                     Wb[:, j:] -= error[:, None] * Ub[j, j:][None, :]

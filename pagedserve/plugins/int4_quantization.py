@@ -13,20 +13,26 @@ becomes an `Int4Linear`. Its layout (`Int4Weights`), for a float weight w [out, 
 - the inputs are padded with zeros to `padded_in` = in rounded up to the group size, and cut
   into groups of `group_size` consecutive inputs of one output row;
 - each group has a scale s, stored as float16 (Q4_0's and GPTQ's: 4.5 bits a weight at group 32,
-  not 5 as with float32; every kernel widens it exactly), and a zero point z (0..15; 8 when
-  symmetric, not stored) and each weight a 4-bit code q (0..15) with w ≈ (q - z)·s;
+  not 5 as with float32; every kernel widens it exactly), and a zero point z in sixteenths of
+  a step (a uint8 z16, z = z16 / 16 in 0..15.9375; 8 when symmetric, not stored), and each
+  weight a 4-bit code q (0..15) with w ≈ (q - z)·s = (16·q - z16)·s / 16. The kernels' sums
+  stay exact integers (16·Σ q·x - z16·Σ x) and their scale is divided by 16 exactly. A whole
+  zero point (GPTQ's, AWQ's, a symmetric group's) is z16 = 16·z and gives the same float bits
+  as subtracting z did; a fractional one lands within 1/32 of a step of a group's minimum, as
+  the float minimum of llama.cpp's Q4_1 does (and on a model whose weights are a dequantized
+  Q4_1, such as the default one, reproduces most groups);
 - round-to-nearest (`quantize(..., search=False)`, the rules the first int4 methods used):
   symmetric: s = m / -8 where m is the group's value of largest magnitude (so m maps to code
   0, as Q4_0 does), q = clamp(round(w / s) + 8, 0, 15); the error is at most s/2, except
   for values within s/2 of -m (clamped to code 15: at most s); asymmetric: lo = min(w, 0),
-  hi = max(w, 0), s = (hi - lo) / 15, z = round(-lo / s), q = clamp(round(w / s) + z, 0, 15);
-  the error is at most s/2 for every unclamped value, at most s for a clamped one;
+  hi = max(w, 0), s = (hi - lo) / 15, z16 = round(-16·lo / s), q = clamp(round(w / s + z16 / 16),
+  0, 15); the error is at most s/2 for every unclamped value, at most s for a clamped one;
 - the scale search (`search=True`, what the methods run), per group, for a few candidate
   roundings: symmetric, the levels L = clamp(round(-c·w / m), -8, 7) for c in
   `SYMMETRIC_CANDIDATES` (8.5 down to 5 in steps of 0.25; c = 8 is the round-to-nearest
   above, a smaller c a coarser step that leaves levels unused); asymmetric, the round-to-nearest levels of the range
   [lo, hi] shrunk by each of `ASYMMETRIC_RATIOS` (1 down to 0.7: clipping the extremes).
-  For each candidate's integer levels L (q - z) the scale is the least-squares one,
+  For each candidate's levels L (q - z) the scale is the least-squares one,
   s = Σ w·L / Σ L², and the candidate with the smallest squared error Σ (w - L·s)² wins. The
   round-to-nearest levels are among the candidates, so a group's squared error is never
   larger than round-to-nearest's (llama.cpp's quantizers search scales the same way, without
@@ -69,13 +75,15 @@ from pagedserve.plugins.int4_group_fit import (  # noqa: F401 - the search's can
     ASYMMETRIC_RATIOS,
     SYMMETRIC_CANDIDATES,
     SYMMETRIC_GROUP_ZERO,
+    ZERO_STEPS,
     fit_asymmetric,
     fit_symmetric,
+    zero_resolution,
 )
 
 BLOCK = 32  # inputs per packed block (16 bytes); every group size is a multiple of it
 GROUP_SIZES = (32, 128)  # the group sizes of the built-in methods; any multiple of BLOCK loads
-SYMMETRIC_ZERO = SYMMETRIC_GROUP_ZERO  # the zero point of a symmetric group
+SYMMETRIC_ZERO = SYMMETRIC_GROUP_ZERO  # the stored zero point of a symmetric group (8 in sixteenths: 128)
 #: `Int4Linear.forward` runs the C++ kernel up to this many rows when the extension does not
 #: say (`int4_kernel_max_rows`), and dequantizes for F.linear above it
 INT4_KERNEL_MAX_ROWS = 16
@@ -101,7 +109,7 @@ class Int4Weights:
 
     qweight: torch.Tensor  # uint8 [out, padded_in / 2]: two 4-bit codes a byte, Q4_0's order per 32 inputs
     scales: torch.Tensor  # float16 [out, padded_in / group_size]: each group's scale
-    zeros: torch.Tensor | None  # uint8 [out, padded_in / group_size]: each group's zero point; None: 8 (symmetric)
+    zeros: torch.Tensor | None  # uint8 [out, padded_in / group_size]: each group's zero point in sixteenths; None: 8 (symmetric)
     group_size: int  # inputs per scale: a multiple of 32
     in_features: int  # the unpadded input width (the padding's codes multiply zero activations)
 
@@ -125,18 +133,31 @@ _ROWS_AT_A_TIME = 256
 
 
 def quantize(weight: torch.Tensor, group_size: int = 32, symmetric: bool = True, search: bool = True,
-             importance: torch.Tensor | None = None) -> Int4Weights:
+             importance: torch.Tensor | None = None, resolution: int | None = None) -> Int4Weights:
     """The int4 layout of a float weight [out, in] (module docstring: the rules and bounds).
     `search` False: plain round-to-nearest of the group's range (the module docstring's
     `round-to-nearest` rules), True (the methods'): the scale search, each input's squared
-    error weighed by `importance` [in] when given (an importance matrix's diagonal)."""
+    error weighed by `importance` [in] when given (an importance matrix's diagonal).
+    `resolution`: steps per code of the asymmetric zero points (16 or 1; None: the group
+    size's, `zero_resolution`)."""
     if group_size <= 0 or group_size % BLOCK:
         raise ValueError(f"int4 group size must be a positive multiple of {BLOCK}, got {group_size}")
     w = weight.detach().float()
     out, k = w.shape
     padded = -(-k // group_size) * group_size
     groups = F.pad(w, (0, padded - k)).reshape(out, padded // group_size, group_size)
-    fit = fit_symmetric if symmetric else fit_asymmetric
+    res = zero_resolution(group_size) if resolution is None else resolution
+
+    def fit(part: torch.Tensor, search: bool, importance: torch.Tensor | None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if symmetric:
+            return fit_symmetric(part, search, importance)
+        return fit_asymmetric(part, search, importance, res)
+
+    if importance is None and not symmetric and padded > k:
+        # a fractional zero point leaves the padding (0) between two codes: the fit must not
+        # spend its scale on inputs that only ever meet zero activations
+        importance = torch.ones(k, device=w.device)
     if importance is not None:
         importance = F.pad(importance.float().to(w.device), (0, padded - k)).reshape(1, padded // group_size, group_size)
     parts = [fit(groups[r : r + _ROWS_AT_A_TIME], search, importance) for r in range(0, out, _ROWS_AT_A_TIME)]
@@ -154,7 +175,7 @@ def dequantize(weights: Int4Weights, dtype: torch.dtype = torch.float32) -> torc
     out, padded = codes.shape
     g = weights.group_size
     zero = (weights.zeros.float() if weights.zeros is not None
-            else torch.full_like(weights.scales, SYMMETRIC_ZERO))
+            else torch.full_like(weights.scales, SYMMETRIC_ZERO, dtype=torch.float32)) / ZERO_STEPS
     w = (codes.reshape(out, padded // g, g) - zero[:, :, None]) * weights.scales.float()[:, :, None]
     return w.reshape(out, padded)[:, : weights.in_features].to(dtype)
 

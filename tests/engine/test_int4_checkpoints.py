@@ -16,8 +16,8 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.bench.perplexity import window_logits
 from pagedserve.common.errors import InvalidParameterError
 from pagedserve.engine.model_loader import checkpoint_format
-from pagedserve.plugins.int4_checkpoint import CheckpointFormat, repack
-from pagedserve.plugins.int4_quantization import Int4Linear, dequantize, quantize, unpack_codes
+from pagedserve.plugins.int4_checkpoint import CheckpointFormat, UnsupportedCheckpoint, repack
+from pagedserve.plugins.int4_quantization import Int4Linear, dequantize, unpack_codes
 
 from tiny_models import build_checkpoint
 
@@ -54,6 +54,19 @@ def awq_pack(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor) -> 
     return {"qweight": pack(codes.T), "qzeros": pack(zeros.T), "scales": scales.T.half().contiguous()}
 
 
+def whole_zero_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What GPTQ's and AWQ's own quantizers store (group 32, asymmetric, min/max): codes uint8
+    [out, in] (0..15), whole zero points uint8 [out, groups] (0..15) and float16 scales
+    [out, groups], with w ≈ (q - z)·s; `in` a multiple of the group."""
+    out, k = w.shape
+    groups = w.float().reshape(out, k // GROUP, GROUP)
+    lo, hi = groups.amin(dim=2).clamp(max=0), groups.amax(dim=2).clamp(min=0)
+    scales = ((hi - lo) / 15).clamp(min=1e-4).half()
+    zeros = torch.round(-lo / scales.float()).clamp(0, 15)
+    codes = (torch.round(groups / scales.float()[:, :, None]) + zeros[:, :, None]).clamp(0, 15)
+    return codes.reshape(out, k).to(torch.uint8), zeros.to(torch.uint8), scales
+
+
 def make_pair(source: Path, out: Path, method: str) -> tuple[Path, Path]:
     """From a float checkpoint: a `method` checkpoint of its linear layers quantized (group 32,
     zero points) and a float checkpoint of the same weights dequantized."""
@@ -64,13 +77,11 @@ def make_pair(source: Path, out: Path, method: str) -> tuple[Path, Path]:
         if name.rsplit(".", 2)[-2] not in LAYERS:
             quantized[name] = dequantized[name] = w
             continue
-        layout = quantize(w, GROUP, symmetric=False)
-        scales = layout.scales  # float16, as the formats store them
-        codes = unpack_codes(layout.qweight)[:, : w.shape[1]]
+        codes, zeros, scales = whole_zero_quantize(w)  # scales float16, as the formats store them
         prefix = name.removesuffix(".weight")
-        packed = gptq_pack(codes, layout.zeros, scales) if method == "gptq" else awq_pack(codes, layout.zeros, scales)
+        packed = gptq_pack(codes, zeros, scales) if method == "gptq" else awq_pack(codes, zeros, scales)
         quantized.update({f"{prefix}.{k}": v.contiguous() for k, v in packed.items()})
-        g = layout.zeros.float().repeat_interleave(GROUP, dim=1)
+        g = zeros.float().repeat_interleave(GROUP, dim=1)
         dequantized[name] = ((codes.float() - g) * scales.float().repeat_interleave(GROUP, dim=1)).contiguous()
     config = json.loads((source / "config.json").read_text())
     dirs = []
@@ -138,21 +149,34 @@ def float_source(tmp_path_factory) -> Path:
 def test_repack_gives_back_the_codes_zeros_and_scales(method):
     torch.manual_seed(7)
     w = torch.randn(24, 96)
-    layout = quantize(w, GROUP, symmetric=False)
-    codes = unpack_codes(layout.qweight)
-    scales = layout.scales
+    codes, zeros, scales = whole_zero_quantize(w)
+    assert int(zeros.min()) < int(zeros.max())
     if method == "gptq":
-        packed = gptq_pack(codes, layout.zeros, scales)
+        packed = gptq_pack(codes, zeros, scales)
         got = repack(CheckpointFormat("gptq", GROUP, 1), "x", packed["qweight"], packed["qzeros"], packed["scales"],
                      packed["g_idx"])
     else:
-        packed = awq_pack(codes, layout.zeros, scales)
+        packed = awq_pack(codes, zeros, scales)
         got = repack(CheckpointFormat("awq", GROUP, 0), "x", packed["qweight"], packed["qzeros"], packed["scales"])
-    assert torch.equal(got.qweight, layout.qweight)
-    assert got.zeros is not None and torch.equal(got.zeros, layout.zeros)
+    assert torch.equal(unpack_codes(got.qweight), codes)
+    assert got.zeros is not None and torch.equal(got.zeros, zeros * 16)  # stored in sixteenths
     assert got.scales.dtype == torch.float16 and torch.equal(got.scales, scales)
-    assert torch.equal(dequantize(got), (codes.float() - layout.zeros.float().repeat_interleave(GROUP, 1))
+    assert torch.equal(dequantize(got), (codes.float() - zeros.float().repeat_interleave(GROUP, 1))
                        * scales.float().repeat_interleave(GROUP, 1))
+
+
+def test_a_gptq_v1_zero_point_of_sixteen_is_refused_naming_qzeros():
+    """GPTQ's v1 format stores zero - 1 in 4 bits, so a zero point of 0 comes back as 16, which
+    no 4-bit zero point (nor its sixteenths in a byte) holds."""
+    codes, zeros, scales = whole_zero_quantize(torch.randn(8, 32))
+    zeros[3, 0] = 0
+    packed = gptq_pack(codes, zeros, scales)
+    with pytest.raises(UnsupportedCheckpoint, match="qzeros") as refused:
+        repack(CheckpointFormat("gptq", GROUP, 1), "layer", packed["qweight"], packed["qzeros"], packed["scales"])
+    assert "a zero point of 16" in str(refused.value)
+    v2 = gptq_pack(codes, zeros, scales, offset=0)  # gptq_v2 stores it as it is
+    got = repack(CheckpointFormat("gptq", GROUP, 0), "layer", v2["qweight"], v2["qzeros"], v2["scales"])
+    assert got.zeros is not None and int(got.zeros[3, 0]) == 0
 
 
 def test_a_checkpoint_registers_the_kernels_its_int4_layers_call(tmp_path, monkeypatch):

@@ -37,7 +37,8 @@ def kernels():
 
 def reference(x: torch.Tensor, w: Int4Weights, bias: torch.Tensor | None) -> torch.Tensor:
     """float64 of what the kernels compute: x quantized to int8 per block of 32 (d = max|x| / 127,
-    round(x·(127 / max|x|)) in float32), exact integer block sums of (q - z)·xq, times d·s."""
+    round(x·(127 / max|x|)) in float32), exact integer block sums of (16·q - z16)·xq (zero points
+    in sixteenths), times d·s / 16."""
     m, k = x.shape
     padded = w.qweight.shape[1] * 2
     xp = F.pad(x, (0, padded - k)).reshape(m, padded // 32, 32)
@@ -47,10 +48,10 @@ def reference(x: torch.Tensor, w: Int4Weights, bias: torch.Tensor | None) -> tor
     d = (amax / 127.0).double().squeeze(2)  # [m, blocks]
     codes = unpack_codes(w.qweight).to(torch.int64)
     out = codes.shape[0]
-    zeros = w.zeros.to(torch.int64) if w.zeros is not None else torch.full(w.scales.shape, 8, dtype=torch.int64)
-    centred = (codes.reshape(out, -1, w.group_size) - zeros[:, :, None]).reshape(out, padded // 32, 32)
+    zeros = w.zeros.to(torch.int64) if w.zeros is not None else torch.full(w.scales.shape, 128, dtype=torch.int64)
+    centred = (16 * codes.reshape(out, -1, w.group_size) - zeros[:, :, None]).reshape(out, padded // 32, 32)
     sums = torch.einsum("mbi,obi->mob", xq, centred).double()  # exact int64 block sums
-    block_scale = w.scales.double().repeat_interleave(w.group_size // 32, dim=1)  # [out, blocks]
+    block_scale = w.scales.double().repeat_interleave(w.group_size // 32, dim=1) / 16  # [out, blocks]
     y = (sums * d[:, None, :] * block_scale[None]).sum(dim=2)
     return y if bias is None else y + bias.double()
 
@@ -186,6 +187,36 @@ def test_unpacking_each_weight_tile_once_gives_the_same_bits(kernels, group, sym
         kernels.set_int4_kernel(kernels.int4_kernels()[0])
     with pytest.raises(RuntimeError, match="a row count"):
         kernels.set_int4_unpack_rows(-1)
+
+
+@pytest.mark.parametrize("group", [32, 128])
+def test_whole_zero_points_in_sixteenths_give_the_symmetric_bits(kernels, group):
+    """Zero points are stored in sixteenths. A symmetric layer given explicitly (zeros of 128:
+    8 steps) runs the zero-point paths of every kernel, unpacked and packed, in registers and
+    unpacked once per tile, and gives the same bits as the symmetric paths: 16 times the exact
+    sum times the scale / 16 is the same float product."""
+    from pagedserve.kernels.cpu_packed import pack_int4_weight
+
+    w, x, bias = _case(300, 37, group, True, seed=5 + group)
+    x = torch.cat([x, x * 0.5, -x])  # 51 rows: every tile shape, and the unpacked paths
+    zeros = torch.full(w.scales.shape, 128, dtype=torch.uint8)
+    try:
+        for name in _kernel_names(kernels):
+            kernels.set_int4_kernel(name)
+            for rows in (1, 3, 4, 51):
+                want = kernels.int4_linear(x[:rows], w.qweight, w.scales, None, bias, group)
+                assert torch.equal(kernels.int4_linear(x[:rows], w.qweight, w.scales, zeros, bias, group), want), name
+        codes, scales, _ = pack_int4_weight(w.qweight, w.scales, None)
+        _, _, packed_zeros = pack_int4_weight(w.qweight, w.scales, zeros)
+        for isa in ("avx512vnni", "avxvnni", "avx2", "scalar"):
+            kernels.set_packed_int8_isa(isa)
+            for rows in (1, 3, 4, 51):
+                want = kernels.packed_int4_linear(x[:rows], codes, scales, None, 37, bias)
+                got = kernels.packed_int4_linear(x[:rows], codes, scales, packed_zeros, 37, bias)
+                assert torch.equal(got, want), (isa, rows)
+    finally:
+        kernels.set_int4_kernel(kernels.int4_kernels()[0])
+        kernels.set_packed_int8_isa("avx512vnni")
 
 
 def test_the_row_limit_can_be_set_and_given_back(kernels):

@@ -56,7 +56,7 @@ def _exact(w: Int4Weights) -> torch.Tensor:
     """The dequantized weight in float64, exactly (q - z)·s (float32 rounds some products)."""
     codes = unpack_codes(w.qweight.cpu()).double()
     n, padded = codes.shape
-    zero = w.zeros.cpu().double() if w.zeros is not None else torch.full(w.scales.shape, 8.0, dtype=torch.float64)
+    zero = w.zeros.cpu().double() / 16 if w.zeros is not None else torch.full(w.scales.shape, 8.0, dtype=torch.float64)
     groups = (codes.reshape(n, -1, w.group_size) - zero[:, :, None]) * w.scales.cpu().double()[:, :, None]
     return groups.reshape(n, padded)[:, : w.in_features]
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.plugins.int4_gptq import DAMP, gptq_passes, gptq_quantize
-from pagedserve.plugins.int4_group_fit import fit_asymmetric, fit_symmetric
+from pagedserve.plugins.int4_group_fit import fit_asymmetric, fit_symmetric, zero_resolution
 from pagedserve.plugins.int4_quantization import Int4Weights, dequantize, pack_codes, quantize
 
 CASES = [(32, True), (128, True), (32, False), (128, False)]
@@ -39,17 +39,19 @@ def reference_gptq(weight: torch.Tensor, hessian: torch.Tensor, group_size: int,
     W[:, dead] = 0.0
     importance = H.diagonal().clone().reshape(1, -1, group_size) if weighted else None  # before dampening
     H += DAMP * H.diagonal().mean() * torch.eye(padded, dtype=torch.float64)
-    fit = fit_symmetric if symmetric else fit_asymmetric
     codes = torch.zeros(out, padded, dtype=torch.uint8)
     scales = torch.zeros(out, padded // group_size, dtype=torch.float64)
     zeros = torch.zeros(out, padded // group_size, dtype=torch.uint8)
     for j in range(padded):
         if j % group_size == 0:
             weights = None if importance is None else importance[:, j // group_size : j // group_size + 1]
-            _, scale, zero = fit(W[:, None, j : j + group_size], search, weights)
-            s, z = scale[:, 0], zero[:, 0].double()
+            part = W[:, None, j : j + group_size]
+            _, scale, zero = (fit_symmetric(part, search, weights) if symmetric
+                              else fit_asymmetric(part, search, weights, zero_resolution(group_size)))
+            s, z = scale[:, 0], zero[:, 0].double() / 16  # zero points in sixteenths
+            whole, fraction = torch.floor(z), z - torch.floor(z)
             scales[:, j // group_size], zeros[:, j // group_size] = s, zero[:, 0]
-        q = torch.clamp(torch.round(W[:, j] / s) + z, 0, 15)
+        q = torch.clamp(torch.round(W[:, j] / s + fraction) + whole, 0, 15)
         codes[:, j] = q.to(torch.uint8)
         inverse = torch.linalg.inv(H[j:, j:])
         W[:, j:] -= ((W[:, j] - (q - z) * s) / inverse[0, 0])[:, None] * inverse[0][None, :]

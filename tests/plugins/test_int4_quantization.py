@@ -74,20 +74,23 @@ def test_symmetric_round_to_nearest_within_half_a_step(shape, group_size):
 def test_asymmetric_round_to_nearest_uses_zero_points(shape, group_size):
     torch.manual_seed(sum(shape) * 3 + group_size)
     w = torch.rand(shape) * 2 + 0.5  # all positive: the zero point is 0, the step (hi - 0) / 15
-    w[:, ::5] -= 1.2  # some negative: zero points above 0 in those groups
+    w[:, ::5] -= 1.2  # some negative: zero points above 0 in those groups, in sixteenths
     q = quantize(w, group_size, symmetric=False, search=False)
     assert q.zeros is not None and q.zeros.dtype == torch.uint8
     assert q.zeros.shape == q.scales.shape == (shape[0], -(-shape[1] // group_size))
-    assert int(q.zeros.max()) <= 15
+    resolution = 16 if group_size == 32 else 1  # zero_resolution: sixteenths at group 32, whole above
+    if shape[1] > 1:  # groups with negative values: zero points above 0, at group 32 most of them fractional
+        assert bool((q.zeros % 16 != 0).any()) == (group_size == 32)
     groups = _groups(w, group_size)
     lo, hi = groups.amin(2).clamp(max=0), groups.amax(2).clamp(min=0)
     assert torch.equal(q.scales, ((hi - lo) / 15).half())  # the step, rounded to float16
-    assert torch.equal(q.zeros, torch.round(-lo / q.scales.float()).to(torch.uint8))
+    want = torch.round(-resolution * lo / q.scales.float()) * (16 // resolution)
+    assert torch.equal(q.zeros, want.to(torch.uint8))
     step = q.scales.float().repeat_interleave(group_size, dim=1)[:, : shape[1]]
     error = (dequantize(q) - w).abs()
     assert bool((error <= step * (1 + 1e-5)).all())
-    zero = q.zeros.float().repeat_interleave(group_size, dim=1)[:, : shape[1]]
-    raw = torch.round(w / step) + zero
+    zero = q.zeros.float().repeat_interleave(group_size, dim=1)[:, : shape[1]] / 16
+    raw = torch.round(w / step + zero - torch.floor(zero)) + torch.floor(zero)
     inside = (raw >= 0) & (raw <= 15)  # not clamped
     assert bool((error[inside] <= step[inside] * (0.5 + 1e-5)).all())
 
@@ -122,27 +125,29 @@ def _searched_group(x: list[float], symmetric: bool) -> tuple[list[int], float, 
         m = max(x, key=abs)
         s = _half(m / -8)
         levels = [min(7, max(-8, round(v / s))) for v in x]
-        best = (error(levels, s), [lv + 8 for lv in levels], s, 8)
+        best = (error(levels, s), [lv + 8 for lv in levels], s, 128)
         for c in SYMMETRIC_CANDIDATES:
             levels = [min(7, max(-8, round(-c * v / m))) for v in x]
             s = least_squares(levels)
             if error(levels, s) < best[0] - 1e-9:
-                best = (error(levels, s), [lv + 8 for lv in levels], s, 8)
+                best = (error(levels, s), [lv + 8 for lv in levels], s, 128)
     else:
         lo0, hi0 = min(min(x), 0.0), max(max(x), 0.0)
 
-        def rounded(r: float) -> tuple[float, int, list[int]]:
+        def rounded(r: float) -> tuple[float, int, list[float]]:
+            """(step, zero point in sixteenths z16, levels q - z16 / 16)"""
             step = _half((hi0 - lo0) * r / 15)
-            z = min(15, max(0, round(-lo0 * r / step)))
-            return step, z, [min(15, max(0, round(v / step) + z)) - z for v in x]
+            z16 = min(255, max(0, round(-16 * lo0 * r / step)))
+            whole, fraction = z16 // 16, (z16 % 16) / 16
+            return step, z16, [min(15, max(0, round(v / step + fraction) + whole)) - z16 / 16 for v in x]
 
-        step, z, levels = rounded(1.0)
-        best = (error(levels, step), [lv + z for lv in levels], step, z)
+        step, z16, levels = rounded(1.0)
+        best = (error(levels, step), [round(lv + z16 / 16) for lv in levels], step, z16)
         for r in ASYMMETRIC_RATIOS:
-            _, z, levels = rounded(r)
+            _, z16, levels = rounded(r)
             s = least_squares(levels)
             if error(levels, s) < best[0] - 1e-9:
-                best = (error(levels, s), [lv + z for lv in levels], s, z)
+                best = (error(levels, s), [round(lv + z16 / 16) for lv in levels], s, z16)
     return best[1], best[2], best[3]
 
 
@@ -160,7 +165,7 @@ def test_the_search_picks_what_a_plain_reference_picks(symmetric):
             # a float16 value; at most one float16 step from the float64 reference's
             assert q.scales[r, g].item() == _half(q.scales[r, g].item())
             assert q.scales[r, g].item() == pytest.approx(want_scale, rel=2**-10), (r, g)
-            assert (q.zeros[r, g].item() if q.zeros is not None else 8) == want_zero, (r, g)
+            assert (q.zeros[r, g].item() if q.zeros is not None else 128) == want_zero, (r, g)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -180,7 +185,7 @@ def test_the_search_never_does_worse_than_round_to_nearest(shape, group_size, sy
     # round-to-nearest's (codes and scale) where no candidate beat it
     assert searched.scales.dtype == torch.float16
     codes = _groups(unpack_codes(searched.qweight).float()[:, : shape[1]], group_size)
-    zero = searched.zeros.float() if searched.zeros is not None else torch.full_like(searched.scales, 8)
+    zero = searched.zeros.float() / 16 if searched.zeros is not None else torch.full_like(searched.scales, 8)
     levels = codes - zero[:, :, None]
     levels = torch.where(_groups(torch.ones(shape), group_size) > 0, levels, torch.zeros_like(levels))  # padding
     l2 = (levels * levels).sum(dim=2)

@@ -345,12 +345,15 @@ PSI_AVXVNNI void tile_avxvnni(const Rows& rows, int64_t r0, const uint8_t* w, in
 // 64-byte load, masked and shifted, is the `vpdpbusd` operand of two groups of 4 inputs (the
 // codes are unsigned already). Scales are float16 [panels, groups, 16] (as Q4_0's and GPTQ's:
 // a fifth of a group-32 panel's bytes in float32, a ninth in float16) and zero points uint8
-// [panels, groups, 16] (none: symmetric, 8). An output is
+// [panels, groups, 16] in sixteenths of a step (z16; none: symmetric, 8, that is 128). An
+// output is
 //     y[r, o] = acc (+ bias[o]),  acc = the chain over blocks b of 32 inputs, in group g(b):
-//               acc = fma(float(S[r, o, b]), d[r, b]·scale[o, g], acc),
-//               S = Σ_{k in b} code[o, k]·q[r, k] - zero[o, g]·Σ_{k in b} q[r, k]   (exact int32)
+//               acc = fma(float(S[r, o, b]), d[r, b]·scale[o, g]·(1/16), acc),
+//               S = 16·Σ_{k in b} code[o, k]·q[r, k] - z16[o, g]·Σ_{k in b} q[r, k]   (exact int32)
 // with d[r, b]·scale[o, g] one rounded float32 product (the scale widened exactly from
-// float16), in every kernel.
+// float16), then divided by 16 (exact), in every kernel. Where z16 is 16·z (a symmetric
+// panel, or GPTQ's and AWQ's whole zero points) S is 16 times Σ code·q - z·Σq and the
+// result the same bits as float(Σ code·q - z·Σq)·(d·scale): the symmetric tiles compute that.
 struct Int4Panels {
   const uint8_t* codes;   // panel p0's codes; panels `stride` bytes apart
   const uint16_t* scales; // panel p0's float16 scales (their bits); panels `groups`·16 apart
@@ -378,9 +381,10 @@ void tile4_scalar(const Rows& rows, int64_t r0, const Int4Panels& w, float* c, i
           const int64_t g = b / w.blocks_per_group, at = (p * w.groups + g) * kPanel + j;
           int32_t s = 0;
           for (int64_t k = b * kBlock; k < (b + 1) * kBlock; ++k) s += q[k] * code_at(w.codes + p * w.stride, k, j);
-          const int32_t zero = w.zeros ? w.zeros[at] : 8;
-          s -= zero * (rows.nc[(r0 + i) * rows.nb + b] / -128);  // nc = -128·Σq
-          acc = std::fma(static_cast<float>(s), rows.d[(r0 + i) * rows.nb + b] * half_to_float(w.scales[at]), acc);
+          const int32_t zero16 = w.zeros ? w.zeros[at] : 128;
+          s = 16 * s - zero16 * (rows.nc[(r0 + i) * rows.nb + b] / -128);  // nc = -128·Σq
+          const float ds = rows.d[(r0 + i) * rows.nb + b] * half_to_float(w.scales[at]);
+          acc = std::fma(static_cast<float>(s), ds * 0.0625f, acc);
         }
         c[i * ldc + p * kPanel + j] = acc;
       }
@@ -389,7 +393,8 @@ void tile4_scalar(const Rows& rows, int64_t r0, const Int4Panels& w, float* c, i
 #ifdef PSI_X86
 // The AVX-512 int4 tiles' block start and end. Each block's sums start at -8·Σq (nc / 16)
 // when every zero point is 8, else at 0; the end of block b is acc[i][p] +=
-// float(S - zero·Σq)·(d·scale), the panels' scales (and zero points) at their group.
+// float(S)·(d·scale) when every zero point is 8, else float(16·S - z16·Σq)·(d·scale / 16), the
+// panels' scales (and zero points) at their group.
 template <int MR, int NP, bool ZP>
 PSI_VNNI PSI_INLINE void start_block4_512(const Rows& rows, int64_t r0, int64_t b, __m512i s[][NP]) {
 #pragma GCC unroll 8
@@ -413,10 +418,14 @@ PSI_VNNI PSI_INLINE void finish_block4_512(const Rows& rows, int64_t r0, int64_t
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
       __m512i exact = s[i][p];
-      if constexpr (ZP)
-        exact = _mm512_sub_epi32(exact, _mm512_mullo_epi32(zv, _mm512_set1_epi32(rows.nc[(r0 + i) * rows.nb + b] / -128)));
       const __m512 dv = _mm512_set1_ps(rows.d[(r0 + i) * rows.nb + b]);
-      acc[i][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_mul_ps(dv, sv), acc[i][p]);
+      __m512 ds = _mm512_mul_ps(dv, sv);
+      if constexpr (ZP) {
+        exact = _mm512_sub_epi32(_mm512_slli_epi32(exact, 4),
+                                 _mm512_mullo_epi32(zv, _mm512_set1_epi32(rows.nc[(r0 + i) * rows.nb + b] / -128)));
+        ds = _mm512_mul_ps(ds, _mm512_set1_ps(0.0625f));
+      }
+      acc[i][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), ds, acc[i][p]);
     }
   }
 }
@@ -538,7 +547,7 @@ PSI_AVX2 PSI_INLINE void start_block4_256(const Rows& rows, int64_t r0, int64_t 
 }
 
 // The end of block b for the MR rows of one panel, whose scales (and zero points) start at
-// `at`: acc[i][h] += float(S - zero·Σq)·(d·scale).
+// `at`: acc[i][h] += float(S)·(d·scale), or with zero points float(16·S - z16·Σq)·(d·scale / 16).
 template <int MR, bool ZP>
 PSI_AVX2 PSI_INLINE void finish_block4_256(const Rows& rows, int64_t r0, int64_t b, const Int4Panels& w, int64_t at,
                                            const __m256i s[][2], __m256 acc[][2]) {
@@ -551,9 +560,13 @@ PSI_AVX2 PSI_INLINE void finish_block4_256(const Rows& rows, int64_t r0, int64_t
     for (int i = 0; i < MR; ++i) {
       const __m256 dv = _mm256_set1_ps(rows.d[(r0 + i) * rows.nb + b]);
       __m256i exact = s[i][h];
-      if constexpr (ZP)
-        exact = _mm256_sub_epi32(exact, _mm256_mullo_epi32(zv, _mm256_set1_epi32(rows.nc[(r0 + i) * rows.nb + b] / -128)));
-      acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), _mm256_mul_ps(dv, sv), acc[i][h]);
+      __m256 ds = _mm256_mul_ps(dv, sv);
+      if constexpr (ZP) {
+        exact = _mm256_sub_epi32(_mm256_slli_epi32(exact, 4),
+                                 _mm256_mullo_epi32(zv, _mm256_set1_epi32(rows.nc[(r0 + i) * rows.nb + b] / -128)));
+        ds = _mm256_mul_ps(ds, _mm256_set1_ps(0.0625f));
+      }
+      acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), ds, acc[i][h]);
     }
   }
 }
@@ -803,7 +816,7 @@ void linear_rows_packed_int8(const float* x, int64_t m, int64_t in, const uint8_
 
 // y[r, o] = x[r, :] · W[o, :] (+ bias[o]) for int4 W packed as the int4 section says: codes
 // [panels, kp / 8, 16, 4] (kp: in rounded up to the group size), float16 scales [panels,
-// groups, 16], zeros likewise (uint8) or null.
+// groups, 16], zeros likewise (uint8, sixteenths) or null.
 void linear_rows_packed_int4(const float* x, int64_t m, int64_t in, int64_t kp, const uint8_t* codes,
                              const uint16_t* scales, const uint8_t* zeros, int64_t groups, const float* bias, int64_t out,
                              float* y) {
