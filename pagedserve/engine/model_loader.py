@@ -165,13 +165,14 @@ def resolve_quantization(config: EngineConfig, device: torch.device, dtype: torc
 
 
 def is_prequantized(hf_config) -> bool:
-    """Whether config.json has a `quantization_config` (a GPTQ / AWQ checkpoint: its weights load as they are)."""
+    """Whether config.json has a `quantization_config` (a GPTQ, AWQ or compressed-tensors checkpoint:
+    its weights load as they are)."""
     return getattr(hf_config, "quantization_config", None) is not None
 
 
 def checkpoint_format(hf_config, quantization: str | None = None) -> CheckpointFormat | None:
     """The pre-quantized format of a checkpoint whose config.json has a `quantization_config`
-    (GPTQ, AWQ), None for a float one; an `InvalidParameterError` naming the config's field
+    (GPTQ, AWQ, compressed-tensors), None for a float one; an `InvalidParameterError` naming the config's field
     for a variant that does not load, or when `quantization` asks to quantize it again."""
     config = getattr(hf_config, "quantization_config", None)
     if config is None:

@@ -1,6 +1,8 @@
-"""GPTQ and AWQ 4-bit checkpoints, repacked at load into the int4 layout (plugins/int4_quantization.py).
+"""GPTQ, AWQ and compressed-tensors 4-bit checkpoints, repacked at load into the int4 layout
+(plugins/int4_quantization.py).
 
-A checkpoint whose config.json has a `quantization_config` of `quant_method` "gptq" or "awq"
+A checkpoint whose config.json has a `quantization_config` of `quant_method` "gptq", "awq" or
+"compressed-tensors"
 holds, for each quantized linear layer `P` (P = model.layers.0.self_attn.q_proj, ...):
 
 GPTQ (AutoGPTQ / GPTQModel, `checkpoint_format` "gptq"):
@@ -16,6 +18,19 @@ AWQ (AutoAWQ, `version` "gemm"):
     P.qzeros   int32 [groups, out / 8], the same order
     P.scales   float16 [groups, out]
     w[n, k] = (q - z)·s
+
+compressed-tensors (llm-compressor; `format` "pack-quantized", 4-bit int weights, strategy
+"group" or "channel", no activation quantization):
+    P.weight_packed      int32 [out, ceil(in / 8)]: input k of row n is bits 4·(k % 8).. of
+                         weight_packed[n, k // 8], stored as the signed code plus 8
+    P.weight_scale       [out, groups] (float16, bfloat16 or float32)
+    P.weight_zero_point  asymmetric only: int32 [ceil(out / 8), groups], row n of group g in
+                         bits 4·(n % 8).. of word [n // 8, g], the signed zero point plus 8 (an
+                         older layout keeps it unpacked: int8 [out, groups], signed)
+    P.weight_shape       [2]: out, in (the packing pads in to 8)
+    P.weight_g_idx       act-order only (refused unless in input order)
+    w[n, k] = (q - z)·s, q and z signed; the stored q + 8 and z + 8 are the int4 layout's code
+    and zero point (8: symmetric)
 
 The codes, zero points and scales are moved into the int4 layout (codes transposed to
 [out, in] and packed two a byte, zero points as uint8 sixteenths (16·z), scales kept float16; a checkpoint that
@@ -59,7 +74,7 @@ class UnsupportedCheckpoint(ValueError):
 class CheckpointFormat:
     """What `read_format` understood of a checkpoint's quantization_config."""
 
-    method: str  # "gptq" or "awq"
+    method: str  # "gptq", "awq" or "compressed-tensors"
     group_size: int  # inputs per scale; -1 in the config (one group per row) becomes the layer's width
     zero_offset: int  # added to each stored zero point (GPTQ's v1 format stores it minus one)
 
@@ -67,8 +82,11 @@ class CheckpointFormat:
 def read_format(config: dict[str, Any]) -> CheckpointFormat:
     """The format of a `quantization_config`, or `UnsupportedCheckpoint` naming its field."""
     method = str(config.get("quant_method", "")).lower()
+    if method == "compressed-tensors":
+        return _compressed_tensors_format(config)
     if method not in ("gptq", "awq"):
-        raise UnsupportedCheckpoint("quant_method", f"{method!r} is not supported (gptq and awq 4-bit are)")
+        raise UnsupportedCheckpoint("quant_method", f"{method!r} is not supported (gptq, awq and "
+                                                    "compressed-tensors 4-bit are)")
     bits_key = "bits" if "bits" in config else "w_bit"
     bits = config.get(bits_key)
     if bits != 4:
@@ -90,6 +108,44 @@ def read_format(config: dict[str, Any]) -> CheckpointFormat:
     if not config.get("zero_point", True):
         raise UnsupportedCheckpoint("zero_point", "AWQ without zero points is not supported")
     return CheckpointFormat("awq", group, 0)
+
+
+def _compressed_tensors_format(config: dict[str, Any]) -> CheckpointFormat:
+    """compressed-tensors' pack-quantized int4 weights, one scheme for every quantized layer."""
+    fmt = str(config.get("format", "")).lower()
+    if fmt != "pack-quantized":
+        raise UnsupportedCheckpoint("format", f"compressed-tensors {fmt!r} is not supported (pack-quantized)")
+    groups = config.get("config_groups") or {}
+    if not groups:
+        raise UnsupportedCheckpoint("config_groups", "no quantization scheme")
+    schemes = set()
+    for scheme in groups.values():
+        if str(scheme.get("format") or fmt).lower() != "pack-quantized":
+            raise UnsupportedCheckpoint("format", f"a scheme of format {scheme.get('format')!r} (pack-quantized is)")
+        for key in ("input_activations", "output_activations"):
+            if scheme.get(key):
+                raise UnsupportedCheckpoint(key, "activation quantization is not supported (weights only)")
+        w = scheme.get("weights") or {}
+        if w.get("num_bits") != 4:
+            raise UnsupportedCheckpoint("num_bits", f"{w.get('num_bits')}-bit weights are not supported (only 4)")
+        if str(w.get("type", "int")).lower() != "int":
+            raise UnsupportedCheckpoint("type", f"{w.get('type')!r} weights are not supported (int)")
+        strategy = str(w.get("strategy", "")).lower()
+        if strategy not in ("group", "channel"):
+            raise UnsupportedCheckpoint("strategy", f"{strategy!r} scales are not supported (group, channel)")
+        if w.get("dynamic"):
+            raise UnsupportedCheckpoint("dynamic", "dynamic weight quantization is not supported")
+        if str(w.get("actorder") or "weight").lower() != "weight":
+            raise UnsupportedCheckpoint("actorder", f"act-order groups ({w.get('actorder')!r}) are not supported")
+        group = -1
+        if strategy == "group":
+            group = int(w.get("group_size") or 0)
+            if group <= 0 or group % BLOCK:
+                raise UnsupportedCheckpoint("group_size", f"group size {group} is not a multiple of {BLOCK}")
+        schemes.add(group)
+    if len(schemes) > 1:
+        raise UnsupportedCheckpoint("config_groups", f"layers quantized with different group sizes {sorted(schemes)}")
+    return CheckpointFormat("compressed-tensors", schemes.pop(), 0)
 
 
 def _nibbles(words: torch.Tensor) -> torch.Tensor:
@@ -136,6 +192,46 @@ def repack(fmt: CheckpointFormat, name: str, qweight: torch.Tensor, qzeros: torc
                        group_size=group, in_features=k)
 
 
+def repack_compressed(fmt: CheckpointFormat, name: str, t: dict[str, torch.Tensor]) -> Int4Weights:
+    """One compressed-tensors (pack-quantized) layer's tensors in the int4 layout (`name`: for
+    errors). A width that is not whole groups is padded, as `quantize` pads a float weight."""
+    missing = [x for x in ("weight_packed", "weight_scale", "weight_shape") if x not in t]
+    if missing:
+        raise ValueError(f"{name}: the checkpoint lacks {', '.join(missing)}")
+    out, k = (int(v) for v in t["weight_shape"].flatten().tolist())
+    packed = t["weight_packed"]
+    if packed.dtype != torch.int32 or packed.shape != (out, -(-k // 8)):
+        raise ValueError(f"{name}: weight_packed {packed.dtype} {tuple(packed.shape)} does not hold {out}x{k} codes")
+    codes = _nibbles(packed).reshape(out, -1)[:, :k]  # the signed codes plus 8: the layout's codes
+    group = -(-k // BLOCK) * BLOCK if fmt.group_size == -1 else fmt.group_size  # channel: one group a row
+    groups = -(-k // group)
+    scales = t["weight_scale"].reshape(out, -1)
+    if scales.shape[1] != groups:
+        raise ValueError(f"{name}: weight_scale {tuple(t['weight_scale'].shape)} does not fit {k} inputs in "
+                         f"groups of {group}")
+    zeros = None
+    if "weight_zero_point" in t:
+        zp = t["weight_zero_point"]
+        if zp.dtype == torch.int32 and zp.shape == (-(-out // 8), groups):  # packed along the outputs
+            z = _nibbles(zp).permute(0, 2, 1).reshape(-1, groups)[:out]
+        elif zp.numel() == out * groups:  # unpacked, signed
+            z = zp.reshape(out, groups).to(torch.int64) + 8
+        else:
+            raise ValueError(f"{name}: weight_zero_point {tuple(zp.shape)} does not fit {out} outputs, {groups} groups")
+        if int(z.min()) < 0 or int(z.max()) > 15:
+            raise UnsupportedCheckpoint("weight_zero_point", f"{name}: a zero point outside the 4-bit range")
+        zeros = (z * ZERO_STEPS).to(torch.uint8).contiguous()
+        if bool((zeros == SYMMETRIC_ZERO).all()):
+            zeros = None
+    if "weight_g_idx" in t and not torch.equal(t["weight_g_idx"].to(torch.int64), torch.arange(k) // group):
+        raise UnsupportedCheckpoint("actorder", f"{name}.weight_g_idx is not in input order (act-order checkpoint)")
+    padded = groups * group
+    full = torch.full((out, padded), 8, dtype=torch.uint8)
+    full[:, :k] = codes.to(torch.uint8)
+    return Int4Weights(qweight=pack_codes(full), scales=float16_values(scales).half().contiguous(), zeros=zeros,
+                       group_size=group, in_features=k)
+
+
 def _concat(parts: list[Int4Weights]) -> Int4Weights:
     """The layouts of several layers with the same inputs stacked along the outputs (q, k, v)."""
     first = parts[0]
@@ -149,7 +245,8 @@ def _concat(parts: list[Int4Weights]) -> Int4Weights:
                        first.group_size, first.in_features)
 
 
-_PARTS = ("qweight", "qzeros", "scales", "g_idx")
+_PARTS = ("qweight", "qzeros", "scales", "g_idx",  # GPTQ, AWQ
+          "weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")  # compressed-tensors
 
 
 def load_prequantized(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], fmt: CheckpointFormat,
@@ -179,6 +276,9 @@ def load_prequantized(model: nn.Module, weights: Iterable[tuple[str, torch.Tenso
         parts = []
         for p in pieces:
             t = quantized.pop(p)
+            if fmt.method == "compressed-tensors":
+                parts.append(repack_compressed(fmt, p, t))
+                continue
             missing = [x for x in ("qweight", "qzeros", "scales") if x not in t]
             if missing:
                 raise ValueError(f"{p}: the checkpoint lacks {', '.join(missing)}")

@@ -43,7 +43,7 @@ becomes an `Int4Linear`. Its layout (`Int4Weights`), for a float weight w [out, 
   SIMD kernels unpack with one mask and one shift into the 32 codes in order).
 
 A group of all zeros gets scale 1 (its codes are the zero point). Checkpoints quantized
-by GPTQ or AWQ are repacked into the same layout (plugins/int4_checkpoint.py).
+by GPTQ or AWQ, or saved by compressed-tensors (pack-quantized), are repacked into the same layout (plugins/int4_checkpoint.py).
 
 `Int4Linear.forward` on CPU float32 runs the C++ int4 × int8 kernel
 (`torch.ops.pagedserve.int4_linear`, kernels/csrc/cpu_int4_gemv.cpp: activations quantized to

@@ -54,6 +54,25 @@ def awq_pack(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor) -> 
     return {"qweight": pack(codes.T), "qzeros": pack(zeros.T), "scales": scales.T.half().contiguous()}
 
 
+def compressed_pack(codes: torch.Tensor, zeros: torch.Tensor | None, scales: torch.Tensor) -> dict:
+    """compressed-tensors' pack-quantized tensors of codes [out, in] (0..15) and scales [out,
+    groups], zero points [out, groups] (0..15) or None (symmetric), from its packing rules: a
+    value is stored as its signed form (code - 8) plus 8, eight a little-endian int32 word along
+    the inputs (weight_packed [out, ceil(in / 8)], the inputs padded with zeros) and, for the zero
+    points, along the outputs (weight_zero_point [ceil(out / 8), groups])."""
+    def pack_rows(values: torch.Tensor) -> torch.Tensor:  # [rows, cols] → [rows, ceil(cols / 8)]
+        v = torch.nn.functional.pad(values.to(torch.int64), (0, -values.shape[1] % 8))
+        v = v.reshape(values.shape[0], -1, 8)
+        return _to_int32(sum(v[:, :, i] << (4 * i) for i in range(8)))
+
+    out, k = codes.shape
+    tensors = {"weight_packed": pack_rows(codes), "weight_scale": scales.half().contiguous(),
+               "weight_shape": torch.tensor([out, k], dtype=torch.int64)}
+    if zeros is not None:
+        tensors["weight_zero_point"] = pack_rows(zeros.T).T.contiguous()
+    return tensors
+
+
 def whole_zero_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What GPTQ's and AWQ's own quantizers store (group 32, asymmetric, min/max): codes uint8
     [out, in] (0..15), whole zero points uint8 [out, groups] (0..15) and float16 scales
@@ -79,7 +98,8 @@ def make_pair(source: Path, out: Path, method: str) -> tuple[Path, Path]:
             continue
         codes, zeros, scales = whole_zero_quantize(w)  # scales float16, as the formats store them
         prefix = name.removesuffix(".weight")
-        packed = gptq_pack(codes, zeros, scales) if method == "gptq" else awq_pack(codes, zeros, scales)
+        packed = (gptq_pack(codes, zeros, scales) if method == "gptq" else awq_pack(codes, zeros, scales)
+                  if method == "awq" else compressed_pack(codes, zeros, scales))
         quantized.update({f"{prefix}.{k}": v.contiguous() for k, v in packed.items()})
         g = zeros.float().repeat_interleave(GROUP, dim=1)
         dequantized[name] = ((codes.float() - g) * scales.float().repeat_interleave(GROUP, dim=1)).contiguous()
@@ -94,11 +114,20 @@ def make_pair(source: Path, out: Path, method: str) -> tuple[Path, Path]:
             c["quantization_config"] = ({"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": False,
                                          "sym": False, "checkpoint_format": "gptq"} if method == "gptq" else
                                         {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True,
-                                         "version": "gemm"})
+                                         "version": "gemm"} if method == "awq" else COMPRESSED_CONFIG)
         (d / "config.json").write_text(json.dumps(c))
         dirs.append(d)
     return dirs[0], dirs[1]
 
+
+#: a compressed-tensors quantization_config as llm-compressor writes it (W4A16, asymmetric, group 32)
+COMPRESSED_CONFIG = {
+    "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+    "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "output_activations": None,
+                                  "weights": {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group",
+                                              "group_size": GROUP, "actorder": None, "dynamic": False}}},
+    "ignore": ["lm_head"],
+}
 
 #: what the tiny model is trained on: a few hundred tokens of plain English
 TRAINING_TEXT = (
@@ -143,6 +172,36 @@ def trained_checkpoint(out_dir: Path, steps: int = 400) -> Path:
 @pytest.fixture(scope="module")
 def float_source(tmp_path_factory) -> Path:
     return trained_checkpoint(tmp_path_factory.mktemp("int4-source"))
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("k", [96, 84])
+def test_compressed_tensors_repack_gives_back_the_codes_zeros_and_scales(symmetric, k):
+    """pack-quantized layers: codes, zero points (packed along the outputs; absent when
+    symmetric) and scales come back; a width that is not whole groups (84) is padded."""
+    from pagedserve.plugins.int4_checkpoint import repack_compressed
+
+    torch.manual_seed(9)
+    padded = -(-k // GROUP) * GROUP
+    codes, zeros, scales = whole_zero_quantize(torch.nn.functional.pad(torch.randn(21, k), (0, padded - k)))
+    codes = codes[:, :k]
+    if symmetric:
+        zeros = torch.full_like(zeros, 8)
+    packed = compressed_pack(codes, None if symmetric else zeros, scales)
+    fmt = checkpoint_format(_Config(COMPRESSED_CONFIG))
+    got = repack_compressed(fmt, "x", packed)
+    assert (got.group_size, got.in_features, tuple(got.qweight.shape)) == (GROUP, k, (21, padded // 2))
+    assert torch.equal(unpack_codes(got.qweight)[:, :k], codes)
+    assert (got.zeros is None) == symmetric
+    if not symmetric:
+        assert torch.equal(got.zeros, zeros * 16)  # stored in sixteenths
+    assert got.scales.dtype == torch.float16 and torch.equal(got.scales, scales)
+    z = zeros.float().repeat_interleave(GROUP, 1)[:, :k]
+    assert torch.equal(dequantize(got), (codes.float() - z) * scales.float().repeat_interleave(GROUP, 1)[:, :k])
+    # an older layout keeps the zero points unpacked and signed
+    if not symmetric:
+        old = dict(packed, weight_zero_point=(zeros.to(torch.int64) - 8).to(torch.int8))
+        assert torch.equal(repack_compressed(fmt, "x", old).zeros, got.zeros)
 
 
 @pytest.mark.parametrize("method", ["gptq", "awq"])
@@ -205,7 +264,7 @@ def test_a_checkpoint_registers_the_kernels_its_int4_layers_call(tmp_path, monke
     assert registered == ["cuda", "cpu extension", "cpu extension"]
 
 
-@pytest.mark.parametrize("method", ["gptq", "awq"])
+@pytest.mark.parametrize("method", ["gptq", "awq", "compressed-tensors"])
 def test_checkpoint_loads_as_int4_and_agrees_with_its_weights_dequantized(float_source, tmp_path, method):
     """Greedy ids of the float checkpoint (the same weights dequantized), teacher-forced on the
     int4 one, three ways, each >= 99%:
@@ -274,6 +333,12 @@ def _checkpoint_agrees(float_source, tmp_path, method, int4_kernel_max_rows):
     assert agreement["packed"] >= 0.99
 
 
+def _compressed(**weights) -> dict:
+    """COMPRESSED_CONFIG with its weights' arguments changed."""
+    group = COMPRESSED_CONFIG["config_groups"]["group_0"]
+    return dict(COMPRESSED_CONFIG, config_groups={"group_0": dict(group, weights=dict(group["weights"], **weights))})
+
+
 class _Config:
     def __init__(self, quantization_config):
         self.quantization_config = quantization_config
@@ -286,6 +351,15 @@ class _Config:
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "version"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 48, "desc_act": False}, "group_size"),
     ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method"),
+    (dict(COMPRESSED_CONFIG, format="float-quantized"), "format"),
+    (_compressed(num_bits=8), "num_bits"),
+    (_compressed(type="float"), "type"),
+    (_compressed(strategy="tensor"), "strategy"),
+    (_compressed(actorder="group"), "actorder"),
+    (_compressed(group_size=48), "group_size"),
+    (dict(COMPRESSED_CONFIG, config_groups={"group_0": dict(
+        COMPRESSED_CONFIG["config_groups"]["group_0"], input_activations={"num_bits": 8, "type": "int"})}),
+     "input_activations"),
 ])
 def test_unsupported_variants_are_refused_naming_the_field(config, field):
     with pytest.raises(InvalidParameterError, match=rf"model: quantization_config\.{field}: "):
