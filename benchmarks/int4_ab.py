@@ -113,17 +113,20 @@ def linears(model: str, rows_list: list[int], rounds: int) -> None:
               + f"; packed: int4_g32 vs int8 {median(r['int8 packed'] / r['int4_g32 packed'] for r in per_round):.2f}x")
 
 
-def decode(model: str, rounds: int, tokens: int, lm_head: bool = False, batches: tuple[int, ...] = (1,)) -> None:
+DECODE_METHODS = ("float32", "int8", "int4", "int4_g128")
+
+
+def decode(model: str, rounds: int, tokens: int, lm_head: bool = False, batches: tuple[int, ...] = (1,),
+           methods: tuple[str, ...] = DECODE_METHODS) -> None:
     from pagedserve import LLM, SamplingParams
 
     def build(quantization, **kwargs):
         return LLM(model, quantization=quantization, quantize_lm_head=lm_head and quantization is not None,
                    max_num_batched_tokens=512, kv_cache_memory=1 << 26, **kwargs)
 
-    engines = {name: build(q) for name, q in (("float32", None), ("int8", "int8"), ("int4", "int4"),
-                                                ("int4_g128", "int4_g128"))}
-    # int4 without the fused step: the model's eager forward, as every int4 decode ran before it
-    engines["int4 eager"] = build("int4", fused_decode_max_batch=0)
+    engines = {name: build(None if name == "float32" else name) for name in methods}
+    if "int4" in engines:  # int4 without the fused step: the model's eager forward, as every int4 decode ran before it
+        engines["int4 eager"] = build("int4", fused_decode_max_batch=0)
     for batch in batches:
         results: dict[str, list[float]] = {name: [] for name in engines if batch == 1 or name != "int4 eager"}
         for _ in range(rounds):
@@ -139,9 +142,11 @@ def decode(model: str, rounds: int, tokens: int, lm_head: bool = False, batches:
                 results[name].append(batch * tokens / (time.perf_counter() - started))
         for name, r in results.items():
             print(f"decode batch {batch} {name}: {median(r):.1f} tok/s (range {min(r):.1f}-{max(r):.1f})")
-        ratios = [a / b for a, b in zip(results["int4"], results["int8"])]
-        print(f"batch {batch}: int4 / int8: {median(ratios):.2f}x (range {min(ratios):.2f}-{max(ratios):.2f})")
-        if batch == 1:
+        for name in results:
+            if name.startswith("int4") and name != "int4 eager" and "int8" in results:
+                ratios = [a / b for a, b in zip(results[name], results["int8"])]
+                print(f"batch {batch}: {name} / int8: {median(ratios):.2f}x (range {min(ratios):.2f}-{max(ratios):.2f})")
+        if batch == 1 and "int4 eager" in results:
             ratios = [a / b for a, b in zip(results["int4"], results["int4 eager"])]
             print(f"int4 fused / int4 eager: {median(ratios):.2f}x (range {min(ratios):.2f}-{max(ratios):.2f})")
 
@@ -156,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", choices=["linears", "decode"], default=None)
     parser.add_argument("--quantize-lm-head", action="store_true", help="decode: the quantized engines' LM head too")
     parser.add_argument("--batches", default="1", help="decode: the batch sizes, comma-separated")
+    parser.add_argument("--methods", default=",".join(DECODE_METHODS),
+                        help="decode: the engines, comma-separated (float32 or a --quantization method)")
     parser.add_argument("--isa", choices=["avx512vnni", "avxvnni", "avx2"], default=None,
                         help="force the packed products' kernels (see the module docstring)")
     args = parser.parse_args(argv)
@@ -171,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         linears(args.model, [int(r) for r in args.rows.split(",")], args.rounds)
     if args.only in (None, "decode"):
         decode(args.model, args.rounds, args.tokens, args.quantize_lm_head,
-               tuple(int(b) for b in args.batches.split(",")))
+               tuple(int(b) for b in args.batches.split(",")), tuple(args.methods.split(",")))
     return 0
 
 

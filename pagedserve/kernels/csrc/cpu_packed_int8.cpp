@@ -393,8 +393,12 @@ void tile4_scalar(const Rows& rows, int64_t r0, const Int4Panels& w, float* c, i
 #ifdef PSI_X86
 // The AVX-512 int4 tiles' block start and end. Each block's sums start at -8·Σq (nc / 16)
 // when every zero point is 8, else at 0; the end of block b is acc[i][p] +=
-// float(S)·(d·scale) when every zero point is 8, else float(16·S - z16·Σq)·(d·scale / 16), the
-// panels' scales (and zero points) at their group.
+// float(S)·(d·scale) when every zero point is 8, else float(S16 - z16·Σq)·(d·(scale / 16)), the
+// panels' scales (and zero points) at their group. With zero points the tiles multiply the
+// codes times 16 (0..240: `vpdpbusd` takes them unsigned), so S16 = 16·Σ code·q comes straight
+// from the sums, and z16·Σq is one `vpmaddwd` (z16 and Σq, |Σq| <= 32·127, in the low halves of
+// int32 lanes whose high halves are 0 and Σq's sign). d·(scale / 16) is (d·scale) / 16 exactly,
+// the scalar tile's number.
 template <int MR, int NP, bool ZP>
 PSI_VNNI PSI_INLINE void start_block4_512(const Rows& rows, int64_t r0, int64_t b, __m512i s[][NP]) {
 #pragma GCC unroll 8
@@ -412,20 +416,19 @@ PSI_VNNI PSI_INLINE void finish_block4_512(const Rows& rows, int64_t r0, int64_t
 #pragma GCC unroll 8
   for (int p = 0; p < NP; ++p) {
     const int64_t at = (p * w.groups + g) * kPanel;
-    const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.scales + at)));
+    __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.scales + at)));
     __m512i zv = _mm512_setzero_si512();
-    if constexpr (ZP) zv = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.zeros + at)));
+    if constexpr (ZP) {
+      zv = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.zeros + at)));
+      sv = _mm512_mul_ps(sv, _mm512_set1_ps(0.0625f));
+    }
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
       __m512i exact = s[i][p];
       const __m512 dv = _mm512_set1_ps(rows.d[(r0 + i) * rows.nb + b]);
-      __m512 ds = _mm512_mul_ps(dv, sv);
-      if constexpr (ZP) {
-        exact = _mm512_sub_epi32(_mm512_slli_epi32(exact, 4),
-                                 _mm512_mullo_epi32(zv, _mm512_set1_epi32(rows.nc[(r0 + i) * rows.nb + b] / -128)));
-        ds = _mm512_mul_ps(ds, _mm512_set1_ps(0.0625f));
-      }
-      acc[i][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), ds, acc[i][p]);
+      if constexpr (ZP)
+        exact = _mm512_sub_epi32(exact, _mm512_madd_epi16(zv, _mm512_set1_epi32(rows.nc[(r0 + i) * rows.nb + b] / -128)));
+      acc[i][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_mul_ps(dv, sv), acc[i][p]);
     }
   }
 }
@@ -465,7 +468,9 @@ PSI_VNNI void tile4_vnni(const Rows& rows, int64_t r0, const Int4Panels& w, floa
       for (int p = 0; p < NP; ++p) {
         prefetch_next(w.next, (b * (kBlock / 8) + t) * NP + p);
         const __m512i v = _mm512_loadu_si512(wb + p * w.stride + t * 64);
-        const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        // with zero points the codes times 16: the low nibble shifted up, the high one in place
+        const __m512i lo = ZP ? _mm512_andnot_si512(low, _mm512_slli_epi16(v, 4)) : _mm512_and_si512(v, low);
+        const __m512i hi = ZP ? _mm512_andnot_si512(low, v) : _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
 #pragma GCC unroll 8
         for (int i = 0; i < MR; ++i) s[i][p] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(s[i][p], lo, x0[i]), hi, x1[i]);
       }
@@ -516,15 +521,21 @@ std::vector<uint8_t>& unpacked_tile() {
 
 // np panels of int4 codes (`stride` bytes apart, kp inputs) → a byte a code in the int8
 // layout at u (panels kp·16 bytes apart): the low nibbles of a 64-byte group of 8 inputs are
-// its first 4 inputs in that layout, the high ones the next 4.
-PSI_VNNI void unpack_codes(const uint8_t* codes, int64_t stride, int np, int64_t kp, uint8_t* u) {
+// its first 4 inputs in that layout, the high ones the next 4. times16 (zero points): each
+// code times 16, as tile4_vnni takes them then.
+PSI_VNNI void unpack_codes(const uint8_t* codes, int64_t stride, int np, int64_t kp, bool times16, uint8_t* u) {
   const __m512i low = _mm512_set1_epi8(0x0F);
   for (int p = 0; p < np; ++p)
     for (int64_t t = 0; t < kp / 8; ++t) {
       const __m512i v = _mm512_loadu_si512(codes + p * stride + t * 64);
       uint8_t* dst = u + p * kp * kPanel + t * 128;
-      _mm512_storeu_si512(dst, _mm512_and_si512(v, low));
-      _mm512_storeu_si512(dst + 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+      if (times16) {
+        _mm512_storeu_si512(dst, _mm512_andnot_si512(low, _mm512_slli_epi16(v, 4)));
+        _mm512_storeu_si512(dst + 64, _mm512_andnot_si512(low, v));
+      } else {
+        _mm512_storeu_si512(dst, _mm512_and_si512(v, low));
+        _mm512_storeu_si512(dst + 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+      }
     }
 }
 
@@ -547,26 +558,26 @@ PSI_AVX2 PSI_INLINE void start_block4_256(const Rows& rows, int64_t r0, int64_t 
 }
 
 // The end of block b for the MR rows of one panel, whose scales (and zero points) start at
-// `at`: acc[i][h] += float(S)·(d·scale), or with zero points float(16·S - z16·Σq)·(d·scale / 16).
+// `at`: acc[i][h] += float(S)·(d·scale), or with zero points float(16·S - z16·Σq)·(d·(scale / 16)).
 template <int MR, bool ZP>
 PSI_AVX2 PSI_INLINE void finish_block4_256(const Rows& rows, int64_t r0, int64_t b, const Int4Panels& w, int64_t at,
                                            const __m256i s[][2], __m256 acc[][2]) {
 #pragma GCC unroll 2
   for (int h = 0; h < 2; ++h) {
-    const __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.scales + at + 8 * h)));
+    __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.scales + at + 8 * h)));
     __m256i zv = _mm256_setzero_si256();
-    if constexpr (ZP) zv = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.zeros + at + 8 * h)));
+    if constexpr (ZP) {  // as finish_block4_512 (the codes are not times 16 here: AVX2 pairs would saturate)
+      zv = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.zeros + at + 8 * h)));
+      sv = _mm256_mul_ps(sv, _mm256_set1_ps(0.0625f));
+    }
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
       const __m256 dv = _mm256_set1_ps(rows.d[(r0 + i) * rows.nb + b]);
       __m256i exact = s[i][h];
-      __m256 ds = _mm256_mul_ps(dv, sv);
-      if constexpr (ZP) {
+      if constexpr (ZP)
         exact = _mm256_sub_epi32(_mm256_slli_epi32(exact, 4),
-                                 _mm256_mullo_epi32(zv, _mm256_set1_epi32(rows.nc[(r0 + i) * rows.nb + b] / -128)));
-        ds = _mm256_mul_ps(ds, _mm256_set1_ps(0.0625f));
-      }
-      acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), ds, acc[i][h]);
+                                 _mm256_madd_epi16(zv, _mm256_set1_epi32(rows.nc[(r0 + i) * rows.nb + b] / -128)));
+      acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), _mm256_mul_ps(dv, sv), acc[i][h]);
     }
   }
 }
@@ -844,7 +855,7 @@ void linear_rows_packed_int4(const float* x, int64_t m, int64_t in, int64_t kp, 
         [&](int64_t p0, int np) {
           std::vector<uint8_t>& u = unpacked_tile();
           u.resize(static_cast<size_t>(np * ustride));
-          unpack_codes(codes + p0 * stride, stride, np, rows.kp, u.data());
+          unpack_codes(codes + p0 * stride, stride, np, rows.kp, zeros != nullptr, u.data());
         });
     return;
   }
