@@ -41,7 +41,6 @@ from pagedserve.plugins.int4_group_fit import (
     ZERO_STEPS,
     fit_asymmetric,
     fit_symmetric,
-    zero_resolution,
 )
 
 DAMP = 0.01  # λ / mean(diag H): the paper's (and its code's) default dampening
@@ -122,7 +121,13 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, 
     dead = h.diagonal() == 0  # the padding, and inputs no calibration row reached
     h[dead, dead] = 1.0
     W[:, dead] = 0.0
-    importance = h.diagonal().to(w.dtype).reshape(1, padded // group_size, group_size) if weighted_fit else None
+    # the fit weighs each input by H_jj (weighted_fit), and the padding, which only meets zero
+    # activations, by 0 (as `quantize` does: a fractional zero point leaves 0 between two codes)
+    real = (torch.arange(padded, device=w.device) < k).to(w.dtype)
+    importance = None
+    if weighted_fit or padded > k:
+        importance = (h.diagonal().to(w.dtype) * real if weighted_fit else real).reshape(1, padded // group_size,
+                                                                                          group_size)
     U = _upper_inverse_factor(h, damp).to(w.dtype)
     codes = torch.empty(out, padded, dtype=torch.uint8, device=w.device)
     scales = torch.empty(out, padded // group_size, dtype=w.dtype, device=w.device)
@@ -139,7 +144,7 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, 
                 weights = None if importance is None else importance[:, group : group + 1]
                 part = Wb[:, None, g0 : g0 + group_size]
                 _, scale, zero = (fit_symmetric(part, search, weights) if symmetric
-                                  else fit_asymmetric(part, search, weights, zero_resolution(group_size)))
+                                  else fit_asymmetric(part, search, weights))
                 s, z = scale[:, 0], zero[:, 0].float() / ZERO_STEPS  # stored in sixteenths
                 whole = torch.floor(z)
                 fraction = z - whole

@@ -29,17 +29,13 @@ SYMMETRIC_CANDIDATES = tuple(8.5 - 0.25 * i for i in range(15))  # 8.5, 8.25, ..
 ASYMMETRIC_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)
 
 
-#: the resolution of the asymmetric fit's zero points by group size (`zero_resolution`): on the
-#: default model (a dequantized Q4_1), perplexity at group 32 fell from 1.20× float32 to 1.006×
-#: with sixteenths, and rose at group 128 from 1.378× to 1.568× (imatrix: 1.175× to 1.228×),
-#: its squared error smaller: a group of 128 spans four of the model's groups of 32
-FRACTIONAL_ZERO_MAX_GROUP = 32
-
-
-def zero_resolution(group_size: int) -> int:
-    """Steps per code of the asymmetric fit's zero points: 16 up to FRACTIONAL_ZERO_MAX_GROUP
-    inputs a group, whole (1) above."""
-    return ZERO_STEPS if group_size <= FRACTIONAL_ZERO_MAX_GROUP else 1
+#: an asymmetric group takes a zero point in sixteenths only where that fit's squared error is
+#: under this fraction of the whole-zero fit's: where its values lie on a 4-bit grid with an
+#: offset (a re-quantized 4-bit checkpoint, such as the default model, a dequantized Q4_1). A
+#: continuous group keeps a whole zero point, whose grid holds 0: on the default model at group
+#: 128 (about 6% less squared error) sixteenths raised perplexity from 1.378x float32 to 1.568x
+#: (halves: 1.521x), while at group 32 they lowered it from 1.209x to 1.006x.
+FRACTIONAL_ZERO_ERROR = 0.5
 
 
 FLOAT16_MAX = 65504.0
@@ -112,11 +108,27 @@ def levels_of(groups: torch.Tensor, scale: torch.Tensor, zero16: torch.Tensor) -
 
 
 def fit_asymmetric(groups: torch.Tensor, search: bool, importance: torch.Tensor | None = None,
-                   resolution: int = ZERO_STEPS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   resolution: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(codes uint8, scales, zero points uint8 in sixteenths) of groups [rows, n, g]; the search
     weighs each input's squared error by `importance` [1, n, g] when given. A group's levels
     are q - z16 / 16, its zero point rounded to 1 / `resolution` of a step (16: within 1/32 of
-    a step of the range's minimum; 1: whole, as GPTQ's and AWQ's)."""
+    a step of the range's minimum; 1: whole, as GPTQ's and AWQ's). None: both fits, and the
+    sixteenths only where their squared error is under FRACTIONAL_ZERO_ERROR times the whole's."""
+    if resolution is not None:
+        return _fit_asymmetric(groups, search, importance, resolution)
+    whole = _fit_asymmetric(groups, search, importance, 1)
+    fine = _fit_asymmetric(groups, search, importance, ZERO_STEPS)
+    energy = (groups * groups if importance is None else groups * groups * importance).sum(dim=2)
+    errors = [energy - gain(groups, levels_of(groups, scale, zero.float()), scale, importance)
+              for _, scale, zero in (whole, fine)]
+    use = (errors[1] < FRACTIONAL_ZERO_ERROR * errors[0])
+    return (torch.where(use[:, :, None], fine[0], whole[0]), torch.where(use, fine[1], whole[1]),
+            torch.where(use, fine[2], whole[2]))
+
+
+def _fit_asymmetric(groups: torch.Tensor, search: bool, importance: torch.Tensor | None, resolution: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fit_asymmetric at one resolution."""
     if resolution not in (1, 2, 4, 8, ZERO_STEPS):
         raise ValueError(f"a zero point's resolution divides {ZERO_STEPS}, got {resolution}")
     lo0 = groups.amin(dim=2).clamp(max=0.0)

@@ -78,7 +78,6 @@ from pagedserve.plugins.int4_group_fit import (  # noqa: F401 - the search's can
     ZERO_STEPS,
     fit_asymmetric,
     fit_symmetric,
-    zero_resolution,
 )
 
 BLOCK = 32  # inputs per packed block (16 bytes); every group size is a multiple of it
@@ -138,21 +137,19 @@ def quantize(weight: torch.Tensor, group_size: int = 32, symmetric: bool = True,
     `search` False: plain round-to-nearest of the group's range (the module docstring's
     `round-to-nearest` rules), True (the methods'): the scale search, each input's squared
     error weighed by `importance` [in] when given (an importance matrix's diagonal).
-    `resolution`: steps per code of the asymmetric zero points (16 or 1; None: the group
-    size's, `zero_resolution`)."""
+    `resolution`: steps per code of the asymmetric zero points (16 or 1; None: per group, as
+    `fit_asymmetric` chooses)."""
     if group_size <= 0 or group_size % BLOCK:
         raise ValueError(f"int4 group size must be a positive multiple of {BLOCK}, got {group_size}")
     w = weight.detach().float()
     out, k = w.shape
     padded = -(-k // group_size) * group_size
     groups = F.pad(w, (0, padded - k)).reshape(out, padded // group_size, group_size)
-    res = zero_resolution(group_size) if resolution is None else resolution
-
     def fit(part: torch.Tensor, search: bool, importance: torch.Tensor | None
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if symmetric:
             return fit_symmetric(part, search, importance)
-        return fit_asymmetric(part, search, importance, res)
+        return fit_asymmetric(part, search, importance, resolution)
 
     if importance is None and not symmetric and padded > k:
         # a fractional zero point leaves the padding (0) between two codes: the fit must not

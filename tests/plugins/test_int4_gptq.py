@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.plugins.int4_gptq import DAMP, gptq_passes, gptq_quantize
-from pagedserve.plugins.int4_group_fit import fit_asymmetric, fit_symmetric, zero_resolution
+from pagedserve.plugins.int4_group_fit import fit_asymmetric, fit_symmetric
 from pagedserve.plugins.int4_quantization import Int4Weights, dequantize, pack_codes, quantize
 
 CASES = [(32, True), (128, True), (32, False), (128, False)]
@@ -37,7 +37,10 @@ def reference_gptq(weight: torch.Tensor, hessian: torch.Tensor, group_size: int,
     dead = H.diagonal() == 0
     H[dead, dead] = 1.0
     W[:, dead] = 0.0
-    importance = H.diagonal().clone().reshape(1, -1, group_size) if weighted else None  # before dampening
+    real = (torch.arange(padded) < k).double()  # the padding weighs 0 in the fit, as in `quantize`
+    importance = None
+    if weighted or padded > k:  # H's diagonal before dampening
+        importance = (H.diagonal() * real if weighted else real).reshape(1, -1, group_size)
     H += DAMP * H.diagonal().mean() * torch.eye(padded, dtype=torch.float64)
     codes = torch.zeros(out, padded, dtype=torch.uint8)
     scales = torch.zeros(out, padded // group_size, dtype=torch.float64)
@@ -47,7 +50,7 @@ def reference_gptq(weight: torch.Tensor, hessian: torch.Tensor, group_size: int,
             weights = None if importance is None else importance[:, j // group_size : j // group_size + 1]
             part = W[:, None, j : j + group_size]
             _, scale, zero = (fit_symmetric(part, search, weights) if symmetric
-                              else fit_asymmetric(part, search, weights, zero_resolution(group_size)))
+                              else fit_asymmetric(part, search, weights))
             s, z = scale[:, 0], zero[:, 0].double() / 16  # zero points in sixteenths
             whole, fraction = torch.floor(z), z - torch.floor(z)
             scales[:, j // group_size], zeros[:, j // group_size] = s, zero[:, 0]

@@ -71,16 +71,16 @@ def test_symmetric_round_to_nearest_within_half_a_step(shape, group_size):
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("group_size", [32, 128])
-def test_asymmetric_round_to_nearest_uses_zero_points(shape, group_size):
+@pytest.mark.parametrize("resolution", [1, 16])
+def test_asymmetric_round_to_nearest_uses_zero_points(shape, group_size, resolution):
     torch.manual_seed(sum(shape) * 3 + group_size)
     w = torch.rand(shape) * 2 + 0.5  # all positive: the zero point is 0, the step (hi - 0) / 15
     w[:, ::5] -= 1.2  # some negative: zero points above 0 in those groups, in sixteenths
-    q = quantize(w, group_size, symmetric=False, search=False)
+    q = quantize(w, group_size, symmetric=False, search=False, resolution=resolution)
     assert q.zeros is not None and q.zeros.dtype == torch.uint8
     assert q.zeros.shape == q.scales.shape == (shape[0], -(-shape[1] // group_size))
-    resolution = 16 if group_size == 32 else 1  # zero_resolution: sixteenths at group 32, whole above
-    if shape[1] > 1:  # groups with negative values: zero points above 0, at group 32 most of them fractional
-        assert bool((q.zeros % 16 != 0).any()) == (group_size == 32)
+    if shape[1] > 1:  # groups with negative values: zero points above 0, fractional ones in sixteenths
+        assert bool((q.zeros % 16 != 0).any()) == (resolution == 16)
     groups = _groups(w, group_size)
     lo, hi = groups.amin(2).clamp(max=0), groups.amax(2).clamp(min=0)
     assert torch.equal(q.scales, ((hi - lo) / 15).half())  # the step, rounded to float16
@@ -93,6 +93,24 @@ def test_asymmetric_round_to_nearest_uses_zero_points(shape, group_size):
     raw = torch.round(w / step + zero - torch.floor(zero)) + torch.floor(zero)
     inside = (raw >= 0) & (raw <= 15)  # not clamped
     assert bool((error[inside] <= step[inside] * (0.5 + 1e-5)).all())
+
+
+def test_a_group_on_an_offset_grid_gets_its_fractional_zero_point_and_others_whole_ones():
+    """Chosen per group: a group whose values are d·q + m (a dequantized Q4_1) gets the zero
+    point in sixteenths nearest -m / d and comes back within d / 32; a Gaussian group, whose
+    squared error sixteenths barely lower, keeps a whole zero point (its grid holds 0)."""
+    torch.manual_seed(3)
+    d, m = 0.0125, -0.0125 * 7.3125  # -m / d = 7.3125 = 117 / 16
+    on_grid = d * torch.randint(0, 16, (4, 32)).float() + m
+    on_grid[:, 0], on_grid[:, 1] = m, m + 15 * d  # both ends of the grid
+    gaussian = torch.randn(4, 32) * 0.05
+    q = quantize(torch.cat([on_grid, gaussian], dim=1), 32, symmetric=False)
+    assert q.zeros[:, 0].tolist() == [117] * 4
+    assert bool((q.zeros[:, 1] % 16 == 0).all())
+    assert float((dequantize(q)[:, :32] - on_grid).abs().max()) <= d / 32 * (1 + 1e-3)
+    for resolution in (1, 16):  # the choice is the better of the two fits where it matters
+        forced = quantize(torch.cat([on_grid, gaussian], dim=1), 32, symmetric=False, resolution=resolution)
+        assert torch.equal(forced.zeros[:, 1 - resolution // 16], q.zeros[:, 1 - resolution // 16])
 
 
 def test_asymmetric_is_closer_than_symmetric_on_one_signed_weights():
@@ -110,7 +128,7 @@ def _half(v: float) -> float:
     return torch.tensor(v, dtype=torch.float32).half().item()
 
 
-def _searched_group(x: list[float], symmetric: bool) -> tuple[list[int], float, int]:
+def _searched_group(x: list[float], symmetric: bool, resolution: int = 16) -> tuple[list[int], float, int]:
     """The scale search of one group, written out plainly in float64 (codes, scale, zero point):
     round-to-nearest first (its scale rounded to float16 before its codes), then each
     candidate's levels with their least-squares scale rounded to float16; a candidate replaces
@@ -137,7 +155,7 @@ def _searched_group(x: list[float], symmetric: bool) -> tuple[list[int], float, 
         def rounded(r: float) -> tuple[float, int, list[float]]:
             """(step, zero point in sixteenths z16, levels q - z16 / 16)"""
             step = _half((hi0 - lo0) * r / 15)
-            z16 = min(255, max(0, round(-16 * lo0 * r / step)))
+            z16 = min(16 * resolution - 1, max(0, round(-resolution * lo0 * r / step))) * (16 // resolution)
             whole, fraction = z16 // 16, (z16 % 16) / 16
             return step, z16, [min(15, max(0, round(v / step + fraction) + whole)) - z16 / 16 for v in x]
 
@@ -151,16 +169,17 @@ def _searched_group(x: list[float], symmetric: bool) -> tuple[list[int], float, 
     return best[1], best[2], best[3]
 
 
-@pytest.mark.parametrize("symmetric", [True, False])
-def test_the_search_picks_what_a_plain_reference_picks(symmetric):
+@pytest.mark.parametrize(("symmetric", "resolution"), [(True, None), (False, 16), (False, 1)])
+def test_the_search_picks_what_a_plain_reference_picks(symmetric, resolution):
     torch.manual_seed(11 + symmetric)
     # heavy-tailed groups (a few large values), where clipping pays, and plain Gaussian ones
     w = torch.randn(6, 96) * torch.where(torch.rand(6, 96) < 0.05, 6.0, 1.0)
-    q = quantize(w, 32, symmetric)
+    q = quantize(w, 32, symmetric, resolution=resolution)
     codes = unpack_codes(q.qweight)
     for r in range(6):
         for g in range(3):
-            want_codes, want_scale, want_zero = _searched_group(w[r, 32 * g : 32 * g + 32].double().tolist(), symmetric)
+            want_codes, want_scale, want_zero = _searched_group(w[r, 32 * g : 32 * g + 32].double().tolist(), symmetric,
+                                                                resolution or 16)
             assert codes[r, 32 * g : 32 * g + 32].tolist() == want_codes, (r, g)
             # a float16 value; at most one float16 step from the float64 reference's
             assert q.scales[r, g].item() == _half(q.scales[r, g].item())
@@ -170,12 +189,14 @@ def test_the_search_picks_what_a_plain_reference_picks(symmetric):
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("group_size", [32, 128])
-@pytest.mark.parametrize("symmetric", [True, False])
-def test_the_search_never_does_worse_than_round_to_nearest(shape, group_size, symmetric):
+@pytest.mark.parametrize(("symmetric", "resolution"), [(True, None), (False, 16), (False, 1)])
+def test_the_search_never_does_worse_than_round_to_nearest(shape, group_size, symmetric, resolution):
+    """At one zero-point resolution (chosen per group, the two fits of a group may take different
+    ones: each is no worse than its own round-to-nearest)."""
     torch.manual_seed(sum(shape) * 5 + group_size + symmetric)
     w = torch.randn(shape) * torch.where(torch.rand(shape) < 0.05, 5.0, 1.0)
-    searched = quantize(w, group_size, symmetric)
-    plain = quantize(w, group_size, symmetric, search=False)
+    searched = quantize(w, group_size, symmetric, resolution=resolution)
+    plain = quantize(w, group_size, symmetric, search=False, resolution=resolution)
     error = ((_groups(dequantize(searched) - w, group_size)) ** 2).sum(dim=2)
     rtn = ((_groups(dequantize(plain) - w, group_size)) ** 2).sum(dim=2)
     # the search compares Σ x² - error in float32: errors a millionth of Σ x² apart are a tie
