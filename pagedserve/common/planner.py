@@ -141,16 +141,19 @@ class ModelShape:
 
 
 def _prequantized(cfg: dict) -> tuple[int, bool] | None:
-    """(group size, zero points) of a GPTQ / AWQ 4-bit checkpoint's quantization_config; None
-    for any other (the loader refuses what it cannot read; here it counts as float)."""
+    """(group size, zero points) of a GPTQ / AWQ / compressed-tensors 4-bit checkpoint (a group
+    per row counts as hidden_size); None for any other: counted as float, the loader refuses it."""
     qc = cfg.get("quantization_config") or {}
-    if str(qc.get("quant_method", "")).lower() not in ("gptq", "awq") or qc.get("bits", qc.get("w_bit")) != 4:
+    method = str(qc.get("quant_method", "")).lower()
+    if method == "compressed-tensors":  # the first scheme's weights (the loader takes one scheme)
+        w = dict(next(iter((qc.get("config_groups") or {}).values()), {})).get("weights") or {}
+        bits, group, zeros = w.get("num_bits"), int(w.get("group_size") or -1), not w.get("symmetric", True)
+    else:  # GPTQ's symmetric checkpoints have every zero point 8: they load without a zeros tensor
+        bits, group = qc.get("bits", qc.get("w_bit")), int(qc.get("group_size", qc.get("q_group_size", -1)))
+        zeros = not (method == "gptq" and qc.get("sym", True))
+    if method not in ("gptq", "awq", "compressed-tensors") or bits != 4:
         return None
-    group = int(qc.get("group_size", qc.get("q_group_size", -1)))
-    if group <= 0:
-        group = cfg["hidden_size"]  # one group per row: about the width of most layers
-    # GPTQ's symmetric checkpoints have every zero point 8: they load without a zeros tensor
-    return group, not (qc.get("quant_method") == "gptq" and qc.get("sym", True))
+    return (group if group > 0 else cfg["hidden_size"]), zeros
 
 
 def _linear_layers(cfg: dict, head_dim: int, kv_heads: int) -> tuple[tuple[int, int], ...]:

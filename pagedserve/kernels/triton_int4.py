@@ -338,7 +338,7 @@ def self_check(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str
             x = torch.randn(m, k, generator=g).to(device, dtype)
             q = torch.randint(0, 256, (n, padded // 2), generator=g, dtype=torch.uint8).to(device)
             s = (torch.rand(n, padded // group, generator=g) * 0.01).half().to(device)  # float16, as stored
-            z = torch.randint(0, 16, s.shape, generator=g, dtype=torch.uint8).to(device) if asym else None
+            z = torch.randint(0, 256, s.shape, generator=g, dtype=torch.uint8).to(device) if asym else None  # sixteenths
             b = torch.randn(n, generator=g).to(device, dtype)
             got, want = w4a16_linear(x, q, s, z, b, group).float(), w4a16_linear_ref(x, q, s, z, b, group).float()
             if not torch.allclose(got, want, atol=5e-2, rtol=2e-2):

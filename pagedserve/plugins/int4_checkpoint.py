@@ -112,9 +112,11 @@ def read_format(config: dict[str, Any]) -> CheckpointFormat:
 
 def _compressed_tensors_format(config: dict[str, Any]) -> CheckpointFormat:
     """compressed-tensors' pack-quantized int4 weights, one scheme for every quantized layer."""
-    fmt = str(config.get("format", "")).lower()
-    if fmt != "pack-quantized":
+    fmt = str(config.get("format") or "pack-quantized").lower()
+    if fmt not in ("pack-quantized", "mixed-precision"):  # mixed: each scheme names its own, checked below
         raise UnsupportedCheckpoint("format", f"compressed-tensors {fmt!r} is not supported (pack-quantized)")
+    for key in (k for k in ("sparsity_config", "kv_cache_scheme") if config.get(k)):
+        raise UnsupportedCheckpoint(key, "sparse weights and quantized KV caches are not supported")
     groups = config.get("config_groups") or {}
     if not groups:
         raise UnsupportedCheckpoint("config_groups", "no quantization scheme")
@@ -122,9 +124,8 @@ def _compressed_tensors_format(config: dict[str, Any]) -> CheckpointFormat:
     for scheme in groups.values():
         if str(scheme.get("format") or fmt).lower() != "pack-quantized":
             raise UnsupportedCheckpoint("format", f"a scheme of format {scheme.get('format')!r} (pack-quantized is)")
-        for key in ("input_activations", "output_activations"):
-            if scheme.get(key):
-                raise UnsupportedCheckpoint(key, "activation quantization is not supported (weights only)")
+        for key in (k for k in ("input_activations", "output_activations") if scheme.get(k)):
+            raise UnsupportedCheckpoint(key, "activation quantization is not supported (weights only)")
         w = scheme.get("weights") or {}
         if w.get("num_bits") != 4:
             raise UnsupportedCheckpoint("num_bits", f"{w.get('num_bits')}-bit weights are not supported (only 4)")

@@ -119,8 +119,8 @@ def fit_asymmetric(groups: torch.Tensor, search: bool, importance: torch.Tensor 
     whole = _fit_asymmetric(groups, search, importance, 1)
     fine = _fit_asymmetric(groups, search, importance, ZERO_STEPS)
     energy = (groups * groups if importance is None else groups * groups * importance).sum(dim=2)
-    errors = [energy - gain(groups, levels_of(groups, scale, zero.float()), scale, importance)
-              for _, scale, zero in (whole, fine)]
+    errors = [energy - gain(groups, codes.float() - zero.float()[:, :, None] / ZERO_STEPS, scale, importance)
+              for codes, scale, zero in (whole, fine)]  # of the codes each fit stores
     use = (errors[1] < FRACTIONAL_ZERO_ERROR * errors[0])
     return (torch.where(use[:, :, None], fine[0], whole[0]), torch.where(use, fine[1], whole[1]),
             torch.where(use, fine[2], whole[2]))

@@ -12,28 +12,24 @@ At load time every `nn.Linear` of the model (the LM head only with `quantize_lm_
 becomes an `Int4Linear`. Its layout (`Int4Weights`), for a float weight w [out, in]:
 - the inputs are padded with zeros to `padded_in` = in rounded up to the group size, and cut
   into groups of `group_size` consecutive inputs of one output row;
-- each group has a scale s, stored as float16 (Q4_0's and GPTQ's: 4.5 bits a weight at group 32,
-  not 5 as with float32; every kernel widens it exactly), and a zero point z in sixteenths of
-  a step (a uint8 z16, z = z16 / 16 in 0..15.9375; 8 when symmetric, not stored), and each
-  weight a 4-bit code q (0..15) with w ≈ (q - z)·s = (16·q - z16)·s / 16. The kernels' sums
-  stay exact integers (16·Σ q·x - z16·Σ x) and their scale is divided by 16 exactly. A whole
-  zero point (GPTQ's, AWQ's, a symmetric group's) is z16 = 16·z and gives the same float bits
-  as subtracting z did; a fractional one lands within 1/32 of a step of a group's minimum, as
-  the float minimum of llama.cpp's Q4_1 does (and on a model whose weights are a dequantized
-  Q4_1, such as the default one, reproduces most groups);
-- round-to-nearest (`quantize(..., search=False)`, the rules the first int4 methods used):
-  symmetric: s = m / -8 where m is the group's value of largest magnitude (so m maps to code
-  0, as Q4_0 does), q = clamp(round(w / s) + 8, 0, 15); the error is at most s/2, except
-  for values within s/2 of -m (clamped to code 15: at most s); asymmetric: lo = min(w, 0),
-  hi = max(w, 0), s = (hi - lo) / 15, z16 = round(-16·lo / s), q = clamp(round(w / s + z16 / 16),
-  0, 15); the error is at most s/2 for every unclamped value, at most s for a clamped one;
+- each group has a scale s, stored as float16 (Q4_0's and GPTQ's: 4.5 bits a weight at group 32;
+  every kernel widens it exactly), a zero point in sixteenths of a step (a uint8 z16, z = z16 / 16;
+  8 when symmetric, not stored), and each weight a 4-bit code q (0..15): w ≈ (q - z16 / 16)·s.
+  The kernels' sums stay exact integers (16·Σ q·x - z16·Σ x), the scale divided by 16; a whole
+  zero point (16·z: GPTQ's, AWQ's, symmetric) gives the bits that subtracting z did;
+- round-to-nearest (`quantize(..., search=False)`): symmetric: s = m / -8, m the group's value
+  of largest magnitude (code 0, as Q4_0), q = clamp(round(w / s) + 8, 0, 15): the error is at
+  most s/2, at most s for values within s/2 of -m (clamped to 15); asymmetric: lo = min(w, 0),
+  hi = max(w, 0), s = (hi - lo) / 15, z16 = round(-16·lo / s) (`resolution=16`; 1: 16·round(-lo / s)),
+  q = clamp(round(w / s + z16 / 16), 0, 15): at most s/2 unclamped, s clamped. By default each
+  asymmetric group takes the sixteenths only where they halve the error (int4_group_fit.py);
 - the scale search (`search=True`, what the methods run), per group, for a few candidate
   roundings: symmetric, the levels L = clamp(round(-c·w / m), -8, 7) for c in
   `SYMMETRIC_CANDIDATES` (8.5 down to 5 in steps of 0.25; c = 8 is the round-to-nearest
-  above, a smaller c a coarser step that leaves levels unused); asymmetric, the round-to-nearest levels of the range
-  [lo, hi] shrunk by each of `ASYMMETRIC_RATIOS` (1 down to 0.7: clipping the extremes).
-  For each candidate's levels L (q - z) the scale is the least-squares one,
-  s = Σ w·L / Σ L², and the candidate with the smallest squared error Σ (w - L·s)² wins. The
+  above, a smaller c a coarser step that leaves levels unused); asymmetric, the round-to-nearest
+  levels of [lo, hi] shrunk by each of `ASYMMETRIC_RATIOS` (1 down to 0.7: clipping). For each
+  candidate's levels L (q - z) the least-squares scale s = Σ w·L / Σ L²; the candidate with the
+  smallest squared error Σ (w - L·s)² wins. The
   round-to-nearest levels are among the candidates, so a group's squared error is never
   larger than round-to-nearest's (llama.cpp's quantizers search scales the same way, without
   an importance matrix). No bound of s/2 holds per value any more: the search trades a few
@@ -42,21 +38,20 @@ becomes an `Int4Linear`. Its layout (`Int4Weights`), for a float weight w [out, 
   input i in its low nibble and input i + 16 in its high nibble (Q4_0's order, which the
   SIMD kernels unpack with one mask and one shift into the 32 codes in order).
 
-A group of all zeros gets scale 1 (its codes are the zero point). Checkpoints quantized
-by GPTQ or AWQ, or saved by compressed-tensors (pack-quantized), are repacked into the same layout (plugins/int4_checkpoint.py).
+A group of all zeros gets scale 1 (its codes are the zero point). GPTQ, AWQ and compressed-tensors
+checkpoints are repacked into the same layout (plugins/int4_checkpoint.py).
 
-`Int4Linear.forward` on CPU float32 runs the C++ int4 × int8 kernel
-(`torch.ops.pagedserve.int4_linear`, kernels/csrc/cpu_int4_gemv.cpp: activations quantized to
-int8 per block of 32, as Q4_0 × Q8_0) up to `int4_kernel_max_rows()` rows when the worker has
-loaded the extension, on CUDA the Triton w4a16 GEMM (`torch.ops.pagedserve.w4a16_linear`,
-kernels/triton_int4.py) when the worker has registered it, and otherwise dequantizes the
-weight to the activations' dtype for `F.linear`. The fused CPU decode step reads the same
-packed codes, scales and zero points (`LlamaForCausalLM.decoder_weights`) and calls the same
-C++ kernel from its projection slots, for decode steps of up to `int4_kernel_max_rows()` rows.
+`Int4Linear.forward` on CPU float32 runs the C++ int4 × int8 kernel (`int4_linear`,
+kernels/csrc/cpu_int4_gemv.cpp: activations in int8 per 32, as Q4_0 × Q8_0) up to
+`int4_kernel_max_rows()` rows, on CUDA the Triton w4a16 GEMM (`w4a16_linear`,
+kernels/triton_int4.py), each when the worker has registered it, and otherwise dequantizes
+for `F.linear`. The fused CPU decode step calls the same C++ kernel on the same codes, scales
+and zero points (`LlamaForCausalLM.decoder_weights`).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -134,27 +129,18 @@ _ROWS_AT_A_TIME = 256
 def quantize(weight: torch.Tensor, group_size: int = 32, symmetric: bool = True, search: bool = True,
              importance: torch.Tensor | None = None, resolution: int | None = None) -> Int4Weights:
     """The int4 layout of a float weight [out, in] (module docstring: the rules and bounds).
-    `search` False: plain round-to-nearest of the group's range (the module docstring's
-    `round-to-nearest` rules), True (the methods'): the scale search, each input's squared
+    `search` False: round-to-nearest, True (the methods'): the scale search, each input's squared
     error weighed by `importance` [in] when given (an importance matrix's diagonal).
-    `resolution`: steps per code of the asymmetric zero points (16 or 1; None: per group, as
-    `fit_asymmetric` chooses)."""
+    `resolution`: steps per code of asymmetric zero points (16, 1; None: `fit_asymmetric` picks)."""
     if group_size <= 0 or group_size % BLOCK:
         raise ValueError(f"int4 group size must be a positive multiple of {BLOCK}, got {group_size}")
     w = weight.detach().float()
     out, k = w.shape
     padded = -(-k // group_size) * group_size
     groups = F.pad(w, (0, padded - k)).reshape(out, padded // group_size, group_size)
-    def fit(part: torch.Tensor, search: bool, importance: torch.Tensor | None
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if symmetric:
-            return fit_symmetric(part, search, importance)
-        return fit_asymmetric(part, search, importance, resolution)
-
-    if importance is None and not symmetric and padded > k:
-        # a fractional zero point leaves the padding (0) between two codes: the fit must not
-        # spend its scale on inputs that only ever meet zero activations
-        importance = torch.ones(k, device=w.device)
+    fit = fit_symmetric if symmetric else functools.partial(fit_asymmetric, resolution=resolution)
+    if importance is None and not symmetric and padded > k:  # the padding weighs 0: a fractional
+        importance = torch.ones(k, device=w.device)  # zero point would leave its 0 between two codes
     if importance is not None:
         importance = F.pad(importance.float().to(w.device), (0, padded - k)).reshape(1, padded // group_size, group_size)
     parts = [fit(groups[r : r + _ROWS_AT_A_TIME], search, importance) for r in range(0, out, _ROWS_AT_A_TIME)]
@@ -216,8 +202,7 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        cpu32 = x2.device.type == "cpu" and x2.dtype == torch.float32
-        linear = _cpu_op("int4_linear") if cpu32 else None
+        linear = _cpu_op("int4_linear") if x2.device.type == "cpu" and x2.dtype == torch.float32 else None
         gemm = _cpu_op("w4a16_linear") if x2.device.type in TRITON_GEMM_DEVICES else None
         if gemm is not None:
             y = gemm(x2, self.qweight, self.scales, self.zeros, self.bias, self.group_size)
@@ -286,26 +271,23 @@ def _quantized_on(weight: torch.Tensor, group_size: int, symmetric: bool, inputs
                   ) -> Int4Weights:
     """`quantize`, its tensors on the weight's device; with calibration `inputs`: GPTQ from their
     Hessian, or (a diagonal only: `imatrix`) the scale search weighing each input by its Σ x²."""
+    k = weight.shape[1]
     if inputs is not None and inputs.hessian is not None:
         codes, scales, zeros = gptq_quantize(weight, inputs.hessian, group_size, symmetric, GPTQ_SEARCH,
                                              weighted_fit=GPTQ_WEIGHTED_FIT)
-        return Int4Weights(pack_codes(codes), scales.half(), None if symmetric else zeros, group_size, weight.shape[1])
-    w = quantize(weight, group_size, symmetric, importance=None if inputs is None else inputs.squares)
-    d = weight.device
-    return Int4Weights(w.qweight.to(d), w.scales.to(d), None if w.zeros is None else w.zeros.to(d),
-                       group_size, w.in_features)
+        return Int4Weights(pack_codes(codes), scales.half(), None if symmetric else zeros, group_size, k)
+    w, d = quantize(weight, group_size, symmetric, importance=None if inputs is None else inputs.squares), weight.device
+    return Int4Weights(w.qweight.to(d), w.scales.to(d), w.zeros if w.zeros is None else w.zeros.to(d), group_size, k)
 
 
 class Int4G128Quantization(Int4Quantization):
     """`int4_g128`: group 128, symmetric."""
-
     name = "int4_g128"
     group_size = 128
 
 
 class Int4AsymQuantization(Int4Quantization):
     """`int4_asym`: group 32, a zero point per group."""
-
     name = "int4_asym"
     symmetric = False
 

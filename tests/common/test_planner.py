@@ -158,6 +158,20 @@ def test_a_gptq_checkpoint_is_counted_as_it_loads(tmp_path):
     assert plan(shape, 80 * GIB, 4096).weight_bytes == 32 * per_layer // 128 * (64 + 2) + rest * 2
 
 
+def test_a_compressed_tensors_checkpoint_is_counted_as_it_loads(tmp_path):
+    scheme = {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "symmetric": False,
+                                                 "strategy": "group", "group_size": 128}}
+    cfg = dict(LLAMA3_8B, quantization_config={"quant_method": "compressed-tensors", "format": "pack-quantized",
+                                               "config_groups": {"group_0": scheme}})
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    shape = ModelShape.from_path(tmp_path)
+    assert shape.prequantized == (128, True) and shape.num_parameters == 8_030_261_248
+    per_layer = 4096 * 6144 + 4096 * 4096 + 4096 * 28672 + 14336 * 4096
+    rest = 8_030_261_248 - 32 * per_layer
+    # codes, a float16 scale and a uint8 zero point per group of 128
+    assert plan(shape, 80 * GIB, 4096).weight_bytes == 32 * per_layer // 128 * (64 + 2 + 1) + rest * 2
+
+
 def test_plan_cli_takes_int4(config_file, capsys):
     assert main(["plan", "--model", str(config_file(LLAMA3_70B)), "--quantization", "int4", "--memory", "80GiB",
                  "--context", "4096"]) in (0, None)

@@ -352,6 +352,8 @@ class _Config:
     ({"quant_method": "gptq", "bits": 4, "group_size": 48, "desc_act": False}, "group_size"),
     ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method"),
     (dict(COMPRESSED_CONFIG, format="float-quantized"), "format"),
+    (dict(COMPRESSED_CONFIG, format="mixed-precision"), "format"),  # and no scheme names pack-quantized
+    (dict(COMPRESSED_CONFIG, sparsity_config={"format": "sparse-24-bitmask"}), "sparsity_config"),
     (_compressed(num_bits=8), "num_bits"),
     (_compressed(type="float"), "type"),
     (_compressed(strategy="tensor"), "strategy"),

@@ -41,8 +41,9 @@ def _case(m, k, n, group, symmetric, dtype, bias=True, seed=0):
     """x [m, k] and an int4 layer quantized by the plugin (the scale search) from a random weight."""
     g = torch.Generator().manual_seed(seed)
     w = quantize(torch.randn(n, k, generator=g) * 0.05, group, symmetric)
-    w = Int4Weights(w.qweight.to(DEVICE), w.scales.to(DEVICE), None if w.zeros is None else w.zeros.to(DEVICE),
-                    group, k)
+    # zero points anywhere in 0..255 sixteenths, most fractional (the fit gives few on Gaussian weights)
+    zeros = None if symmetric else torch.randint(0, 256, w.scales.shape, generator=g, dtype=torch.uint8).to(DEVICE)
+    w = Int4Weights(w.qweight.to(DEVICE), w.scales.to(DEVICE), zeros, group, k)
     x = torch.randn(m, k, generator=g).to(DEVICE, dtype)
     b = torch.randn(n, generator=g).to(DEVICE, dtype) if bias else None
     return x, w, b
