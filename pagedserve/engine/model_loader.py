@@ -104,9 +104,12 @@ def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.dev
         dummy_weights(model)
     elif prequantized is not None:
         # GPTQ / AWQ: their int4 codes are repacked into Int4Linear modules, never dequantized
-        rest, replaced = load_prequantized(model, iter_safetensors(model_dir), prequantized,
-                                           getattr(model, "packed_modules", {}))
-        model.load_weights(rest)
+        try:  # a layer's tensors can refuse what the config allowed (an act-order g_idx)
+            rest, replaced = load_prequantized(model, iter_safetensors(model_dir), prequantized,
+                                               getattr(model, "packed_modules", {}))
+            model.load_weights(rest)
+        except UnsupportedCheckpoint as exc:
+            raise InvalidParameterError("model", str(exc)) from None
         logger.info("%s checkpoint: %d linear layers loaded as int4 (group %d)", prequantized.method, replaced,
                     prequantized.group_size)
     else:

@@ -96,8 +96,8 @@ def read_format(config: dict[str, Any]) -> CheckpointFormat:
     if group != -1 and (group <= 0 or group % BLOCK):
         raise UnsupportedCheckpoint(group_key, f"group size {group} is not a multiple of {BLOCK}")
     if method == "gptq":
-        if config.get("desc_act", False):
-            raise UnsupportedCheckpoint("desc_act", "act-order GPTQ (desc_act true) is not supported")
+        if config.get("desc_act", False) and not config.get("static_groups", False):  # static: g_idx k // group
+            raise UnsupportedCheckpoint("desc_act", "act-order GPTQ (desc_act true, no static_groups) is not supported")
         fmt = str(config.get("checkpoint_format", "gptq")).lower()
         if fmt not in ("gptq", "gptq_v2"):
             raise UnsupportedCheckpoint("checkpoint_format", f"{fmt!r} is not supported (gptq, gptq_v2)")

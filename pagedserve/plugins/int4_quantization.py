@@ -65,7 +65,7 @@ from pagedserve.common.contracts import (
     QuantizationPlugin,
     QuantizationReport,
 )
-from pagedserve.plugins.int4_gptq import GPTQ_SEARCH, GPTQ_WEIGHTED_FIT, gptq_passes, gptq_quantize
+from pagedserve.plugins.int4_gptq import gptq_fit, gptq_passes
 from pagedserve.plugins.int4_group_fit import (  # noqa: F401 - the search's candidates, re-exported
     ASYMMETRIC_RATIOS,
     SYMMETRIC_CANDIDATES,
@@ -273,8 +273,7 @@ def _quantized_on(weight: torch.Tensor, group_size: int, symmetric: bool, inputs
     Hessian, or (a diagonal only: `imatrix`) the scale search weighing each input by its Σ x²."""
     k = weight.shape[1]
     if inputs is not None and inputs.hessian is not None:
-        codes, scales, zeros = gptq_quantize(weight, inputs.hessian, group_size, symmetric, GPTQ_SEARCH,
-                                             weighted_fit=GPTQ_WEIGHTED_FIT)
+        codes, scales, zeros = gptq_fit(weight, inputs.hessian, group_size, symmetric)
         return Int4Weights(pack_codes(codes), scales.half(), None if symmetric else zeros, group_size, k)
     w, d = quantize(weight, group_size, symmetric, importance=None if inputs is None else inputs.squares), weight.device
     return Int4Weights(w.qweight.to(d), w.scales.to(d), w.zeros if w.zeros is None else w.zeros.to(d), group_size, k)

@@ -377,6 +377,28 @@ def test_an_act_order_checkpoint_is_refused_at_load(float_source, tmp_path):
         LLM(str(quantized_dir), kv_cache_memory=1 << 22)
 
 
+def test_act_order_with_static_groups_loads_when_every_group_is_in_input_order(float_source, tmp_path):
+    """AutoGPTQ's `static_groups` fixes each group's scale before the act-order pass, so its
+    g_idx stays k // group: the layout the kernels read. A g_idx out of order is still refused."""
+    quantized_dir, _ = make_pair(float_source, tmp_path, "gptq")
+    prompts, params = [[5, 9, 14, 3, 8]], SamplingParams(max_tokens=6, temperature=0.0)
+
+    def greedy() -> list[int]:
+        return list(LLM(str(quantized_dir), kv_cache_memory=1 << 22).generate(prompts, params)[0].outputs[0].token_ids)
+
+    want = greedy()
+    config = json.loads((quantized_dir / "config.json").read_text())
+    config["quantization_config"].update(desc_act=True, static_groups=True)
+    (quantized_dir / "config.json").write_text(json.dumps(config))
+    assert greedy() == want and len(want) == 6
+    tensors = load_file(str(quantized_dir / "model.safetensors"))
+    name = next(n for n in tensors if n.endswith(".g_idx"))
+    tensors[name] = tensors[name].flip(0).contiguous()
+    save_file(tensors, str(quantized_dir / "model.safetensors"))
+    with pytest.raises(InvalidParameterError, match=r"quantization_config\.desc_act: .*g_idx is not in input order"):
+        LLM(str(quantized_dir), kv_cache_memory=1 << 22)
+
+
 def test_quantizing_a_quantized_checkpoint_again_is_refused():
     with pytest.raises(InvalidParameterError, match="quantization: the checkpoint is already quantized"):
         checkpoint_format(_Config({"quant_method": "awq", "bits": 4, "group_size": 128}), "int8")

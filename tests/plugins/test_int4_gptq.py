@@ -25,10 +25,11 @@ def _one_thread():
 
 
 def reference_gptq(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, symmetric: bool, search: bool,
-                   weighted: bool = False):
+                   weighted: bool = False, act_order: bool = False):
     """GPTQ as the paper states it, one column at a time with no Cholesky factor and no lazy
-    batches: quantize column j, then move the columns F = j.. by the Optimal Brain Surgeon
-    update -(w_j - q_j) / [H_F⁻¹]_jj · [H_F⁻¹]_j,:, with H_F⁻¹ inverted afresh each column."""
+    batches: quantize column j, then move the columns F still free by the Optimal Brain Surgeon
+    update -(w_j - q_j) / [H_F⁻¹]_jj · [H_F⁻¹]_j,:, with H_F⁻¹ inverted afresh each column.
+    `act_order`: the columns by decreasing H_jj, every group fitted first (static groups)."""
     out, k = weight.shape
     padded = -(-k // group_size) * group_size
     W = F.pad(weight.double(), (0, padded - k))
@@ -41,23 +42,30 @@ def reference_gptq(weight: torch.Tensor, hessian: torch.Tensor, group_size: int,
     importance = None
     if weighted or padded > k:  # H's diagonal before dampening
         importance = (H.diagonal() * real if weighted else real).reshape(1, -1, group_size)
+    order = torch.argsort(H.diagonal(), descending=True, stable=True) if act_order else torch.arange(padded)
     H += DAMP * H.diagonal().mean() * torch.eye(padded, dtype=torch.float64)
     codes = torch.zeros(out, padded, dtype=torch.uint8)
     scales = torch.zeros(out, padded // group_size, dtype=torch.float64)
     zeros = torch.zeros(out, padded // group_size, dtype=torch.uint8)
-    for j in range(padded):
-        if j % group_size == 0:
-            weights = None if importance is None else importance[:, j // group_size : j // group_size + 1]
-            part = W[:, None, j : j + group_size]
-            _, scale, zero = (fit_symmetric(part, search, weights) if symmetric
-                              else fit_asymmetric(part, search, weights))
-            s, z = scale[:, 0], zero[:, 0].double() / 16  # zero points in sixteenths
-            whole, fraction = torch.floor(z), z - torch.floor(z)
-            scales[:, j // group_size], zeros[:, j // group_size] = s, zero[:, 0]
-        q = torch.clamp(torch.round(W[:, j] / s + fraction) + whole, 0, 15)
+
+    def fit(part, group):
+        weights = None if importance is None else importance[:, group : group + part.shape[1]]
+        _, scale, zero = fit_symmetric(part, search, weights) if symmetric else fit_asymmetric(part, search, weights)
+        return scale, zero
+
+    if act_order:
+        scales[:], zeros[:] = fit(W.reshape(out, -1, group_size), 0)
+    for i, j in enumerate(order.tolist()):
+        g = j // group_size
+        if not act_order and j % group_size == 0:
+            scale, zero = fit(W[:, None, j : j + group_size], g)
+            scales[:, g], zeros[:, g] = scale[:, 0], zero[:, 0]
+        s, z = scales[:, g], zeros[:, g].double() / 16  # zero points in sixteenths
+        q = torch.clamp(torch.round(W[:, j] / s + z - torch.floor(z)) + torch.floor(z), 0, 15)
         codes[:, j] = q.to(torch.uint8)
-        inverse = torch.linalg.inv(H[j:, j:])
-        W[:, j:] -= ((W[:, j] - (q - z) * s) / inverse[0, 0])[:, None] * inverse[0][None, :]
+        free = order[i:]
+        inverse = torch.linalg.inv(H[free][:, free])
+        W[:, free] -= ((W[:, j] - (q - z) * s) / inverse[0, 0])[:, None] * inverse[0][None, :]
     return codes, scales, zeros
 
 
@@ -72,24 +80,29 @@ def _layer(out: int = 24, k: int = 200, rows: int = 400, seed: int = 0):
 
 
 @pytest.mark.parametrize(("group_size", "symmetric"), CASES)
-@pytest.mark.parametrize(("search", "weighted"), [(False, False), (True, False), (True, True)])
-def test_gptq_matches_the_papers_algorithm_in_float64(group_size, symmetric, search, weighted, monkeypatch):
+@pytest.mark.parametrize(("search", "weighted", "act_order"),
+                         [(False, False, False), (True, False, False), (True, True, False), (True, True, True)])
+def test_gptq_matches_the_papers_algorithm_in_float64(group_size, symmetric, search, weighted, act_order, monkeypatch):
     from pagedserve.plugins import int4_gptq
 
     monkeypatch.setattr(int4_gptq, "BLOCK_COLUMNS", 32)  # several lazy batches at group 32
     weight, x = _layer(out=8, k=72, rows=160)  # 72 inputs: padded to 96 and to 128
     hessian = x.double().T @ x.double()
-    codes, scales, zeros = gptq_quantize(weight.double(), hessian, group_size, symmetric, search, weighted_fit=weighted)
-    want_codes, want_scales, want_zeros = reference_gptq(weight, hessian, group_size, symmetric, search, weighted)
+    codes, scales, zeros = gptq_quantize(weight.double(), hessian, group_size, symmetric, search, weighted_fit=weighted,
+                                         act_order=act_order)
+    want_codes, want_scales, want_zeros = reference_gptq(weight, hessian, group_size, symmetric, search, weighted,
+                                                         act_order)
     assert torch.equal(codes, want_codes)
     assert torch.allclose(scales, want_scales, rtol=1e-9, atol=0)
     assert torch.equal(zeros, want_zeros)
 
 
 @pytest.mark.parametrize(("group_size", "symmetric"), CASES)
-def test_identity_hessian_gives_round_to_nearest_exactly(group_size, symmetric):
+@pytest.mark.parametrize("act_order", [False, True])
+def test_identity_hessian_gives_round_to_nearest_exactly(group_size, symmetric, act_order):
     weight, _ = _layer(k=200)  # 200 inputs: the last group is padded at 32 and at 128
-    codes, scales, zeros = gptq_quantize(weight, torch.eye(200), group_size, symmetric, search=False)
+    codes, scales, zeros = gptq_quantize(weight, torch.eye(200), group_size, symmetric, search=False,
+                                         act_order=act_order)
     rtn = quantize(weight, group_size, symmetric, search=False)
     assert torch.equal(pack_codes(codes), rtn.qweight)
     assert torch.equal(scales, rtn.scales.float())
@@ -102,9 +115,10 @@ def _output_error(weight: torch.Tensor, x: torch.Tensor, q: Int4Weights) -> floa
 
 
 @pytest.mark.parametrize(("group_size", "symmetric"), CASES)
-def test_gptq_error_on_its_calibration_inputs_is_below_round_to_nearest(group_size, symmetric):
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_error_on_its_calibration_inputs_is_below_round_to_nearest(group_size, symmetric, act_order):
     weight, x = _layer()
-    codes, scales, zeros = gptq_quantize(weight, x.T @ x, group_size, symmetric)
+    codes, scales, zeros = gptq_quantize(weight, x.T @ x, group_size, symmetric, act_order=act_order)
     fitted = Int4Weights(pack_codes(codes), scales.half(), None if symmetric else zeros, group_size, weight.shape[1])
     gptq_error = _output_error(weight, x, fitted)
     # both data-free fits: round-to-nearest, and the scale search the methods run without calibration
