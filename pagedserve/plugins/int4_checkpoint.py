@@ -10,7 +10,7 @@ GPTQ (AutoGPTQ / GPTQModel, `checkpoint_format` "gptq"):
     P.qzeros   int32 [groups, out / 8]: the zero point of column n is bits 4·(n % 8).. of
                qzeros[g, n // 8], stored minus one (so 1 is added back; "gptq_v2" stores it as is)
     P.scales   float16 [groups, out]
-    P.g_idx    int32 [in]: each input's group; k // group_size unless act-order (refused)
+    P.g_idx    int32 [in]: each input's group; k // group_size (act-order only with static_groups)
     w[n, k] = (q - z)·s of group g_idx[k]
 AWQ (AutoAWQ, `version` "gemm"):
     P.qweight  int32 [in, out / 8]: eight columns a word in the order [0, 2, 4, 6, 1, 3, 5, 7]

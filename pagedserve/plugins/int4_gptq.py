@@ -156,7 +156,8 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, 
         order = torch.arange(padded, device=w.device)
     columns = order.tolist()
     U = _upper_inverse_factor(h, damp).to(w.dtype)
-    block = max(BLOCK_COLUMNS // group_size, 1) * group_size
+    # the paper's order fits a group from the block that holds all its columns; act order needs no such block
+    block = BLOCK_COLUMNS if act_order else max(BLOCK_COLUMNS // group_size, 1) * group_size
     with _column_threads(w.device):
         for b0 in range(0, padded, block):
             b1 = min(b0 + block, padded)

@@ -81,7 +81,8 @@ def _layer(out: int = 24, k: int = 200, rows: int = 400, seed: int = 0):
 
 @pytest.mark.parametrize(("group_size", "symmetric"), CASES)
 @pytest.mark.parametrize(("search", "weighted", "act_order"),
-                         [(False, False, False), (True, False, False), (True, True, False), (True, True, True)])
+                         [(False, False, False), (True, False, False), (True, True, False), (False, False, True),
+                          (True, True, True)])
 def test_gptq_matches_the_papers_algorithm_in_float64(group_size, symmetric, search, weighted, act_order, monkeypatch):
     from pagedserve.plugins import int4_gptq
 
