@@ -100,9 +100,11 @@ def test_gptq_matches_the_papers_algorithm_in_float64(group_size, symmetric, sea
 
 @pytest.mark.parametrize(("group_size", "symmetric"), CASES)
 @pytest.mark.parametrize("act_order", [False, True])
-def test_identity_hessian_gives_round_to_nearest_exactly(group_size, symmetric, act_order):
+def test_diagonal_hessian_gives_round_to_nearest_exactly(group_size, symmetric, act_order):
     weight, _ = _layer(k=200)  # 200 inputs: the last group is padded at 32 and at 128
-    codes, scales, zeros = gptq_quantize(weight, torch.eye(200), group_size, symmetric, search=False,
+    # distinct diagonal values in shuffled order, so act order really permutes the columns
+    diagonal = torch.linspace(0.5, 2.0, 200)[torch.randperm(200, generator=torch.Generator().manual_seed(1))]
+    codes, scales, zeros = gptq_quantize(weight, torch.diag(diagonal), group_size, symmetric, search=False,
                                          act_order=act_order)
     rtn = quantize(weight, group_size, symmetric, search=False)
     assert torch.equal(pack_codes(codes), rtn.qweight)
