@@ -9,9 +9,14 @@ inputs of largest H_jj first, as GPTQ's `desc_act` orders them, with static grou
 group's scale and zero point fitted to the weights before any column moves), so the groups
 stay consecutive inputs, as the layout wants; or the paper's order, 0, 1, 2, ...:
 
-- H = XᵀX (the error's Hessian up to a factor 2), dampened: H + λ·I with λ = `DAMP` × the
-  mean of H's diagonal; an input no calibration row reached (H_jj = 0) gets H_jj = 1 and
-  weight 0 (it multiplies nothing the layer was seen to get);
+- H = XᵀX (the error's Hessian up to a factor 2), shrunk towards its diagonal, (1 - α)·H +
+  α·diag(H) with α = `shrink` (`GPTQ_HESSIAN_SHRINK` for the int4 methods): a few thousand
+  calibration tokens estimate the off-diagonal correlations of a layer's inputs loosely, and
+  GPTQ fitted to them exactly fits the calibration text more than the text the model will read
+  (α = 1 leaves the diagonal: no column moves another, each is rounded to its group's grid);
+  then dampened, H + λ·I with λ = `DAMP` × the mean of H's diagonal; an input no calibration
+  row reached (H_jj = 0) gets H_jj = 1 and weight 0 (it multiplies nothing the layer was seen
+  to get);
 - U is the upper Cholesky factor of H⁻¹ (H⁻¹ = UᵀU). Column j quantized to q_j leaves
   e = (w_j - q_j) / U_jj, and every later column k moves by -e·U_jk: the Optimal Brain
   Surgeon update over the columns still free, which U's row j gives for each j in turn
@@ -56,8 +61,14 @@ GPTQ_SEARCH = True
 GPTQ_WEIGHTED_FIT = True
 #: the columns in the order of their inputs' Σ x², largest first, with static groups (the
 #: module docstring): on the default model, group 128 with zero points, perplexity 33.92 against
-#: 35.18 in the paper's order (4,096 calibration tokens; docs/performance.md)
+#: 35.18 in the paper's order (4,096 calibration tokens, before the shrink below; docs/performance.md)
 GPTQ_ACT_ORDER = True
+#: α above: on the default model with 4,096 calibration tokens, group 128 with zero points, perplexity
+#: 33.92 at 0 and 33.40 at 0.2 (float32: 31.08); a first form of the same shrink (in float32, before
+#: the padding) gave 33.68 at 0.05, 33.32 at 0.2, 33.34 at 0.4, 33.38 at 0.7 (docs/performance.md).
+#: The Ledoit-Wolf estimate of α from the tokens' fourth moments came out at 0.0002-0.11 per layer:
+#: consecutive tokens are far from independent samples, so it is not used
+GPTQ_HESSIAN_SHRINK = 0.2
 #: the layers of one calibration pass hold at most this many bytes of Hessians (one [in, in]
 #: float32 each, at least one layer a pass); the passes run in the model's order, each with the
 #: layers of the passes before it already int4, so a layer is fitted to the inputs it will get
@@ -110,14 +121,15 @@ def _column_threads(device: torch.device) -> Iterator[None]:
 
 @torch.no_grad()
 def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, symmetric: bool,
-                  search: bool = True, damp: float = DAMP, weighted_fit: bool = False, act_order: bool = False
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  search: bool = True, damp: float = DAMP, weighted_fit: bool = False, act_order: bool = False,
+                  shrink: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(codes uint8 [out, padded_in], scales [out, groups], zero points uint8 [out, groups], in sixteenths) of
     a float weight [out, in] from its inputs' Hessian [in, in] (Σ xᵀx), the inputs padded with
     zeros to a multiple of `group_size` as `int4_quantization.quantize` pads them. It computes
     in float32 (float64 for a float64 weight: the tests' reference), the scales too.
     `act_order`: the columns in the order of H's diagonal, largest first, each group's scale and
-    zero point fitted before any column moves (static groups; the module docstring)."""
+    zero point fitted before any column moves (static groups; the module docstring). `shrink`: α,
+    the Hessian's off-diagonal entries taken times 1 - α."""
     w = weight.detach().to(torch.float64 if weight.dtype == torch.float64 else torch.float32)
     out, k = w.shape
     if hessian.shape != (k, k):
@@ -125,6 +137,9 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, 
     padded = -(-k // group_size) * group_size
     h = torch.zeros(padded, padded, dtype=torch.float64, device=w.device)
     h[:k, :k] = hessian.to(w.device, torch.float64)
+    if shrink:  # the off-diagonal entries times 1 - α; the diagonal stays as it is, bit for bit
+        diagonal = h.diagonal().clone()
+        h.mul_(1 - shrink).diagonal().copy_(diagonal)
     W = F.pad(w, (0, padded - k))  # a fresh tensor: the model's weight is not touched
     dead = h.diagonal() == 0  # the padding, and inputs no calibration row reached
     h[dead, dead] = 1.0
@@ -183,6 +198,7 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, 
 
 def gptq_fit(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, symmetric: bool
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`gptq_quantize` as the int4 methods run it: `GPTQ_SEARCH`, `GPTQ_WEIGHTED_FIT`, `GPTQ_ACT_ORDER`."""
+    """`gptq_quantize` as the int4 methods run it: `GPTQ_SEARCH`, `GPTQ_WEIGHTED_FIT`, `GPTQ_ACT_ORDER`,
+    `GPTQ_HESSIAN_SHRINK`."""
     return gptq_quantize(weight, hessian, group_size, symmetric, GPTQ_SEARCH, weighted_fit=GPTQ_WEIGHTED_FIT,
-                         act_order=GPTQ_ACT_ORDER)
+                         act_order=GPTQ_ACT_ORDER, shrink=GPTQ_HESSIAN_SHRINK)

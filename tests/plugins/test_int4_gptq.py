@@ -8,7 +8,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedserve.plugins.int4_gptq import DAMP, gptq_passes, gptq_quantize
+from pagedserve.plugins.int4_gptq import (
+    DAMP,
+    GPTQ_HESSIAN_SHRINK,
+    gptq_fit,
+    gptq_passes,
+    gptq_quantize,
+)
 from pagedserve.plugins.int4_group_fit import fit_asymmetric, fit_symmetric
 from pagedserve.plugins.int4_quantization import Int4Weights, dequantize, pack_codes, quantize
 
@@ -25,16 +31,19 @@ def _one_thread():
 
 
 def reference_gptq(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, symmetric: bool, search: bool,
-                   weighted: bool = False, act_order: bool = False):
+                   weighted: bool = False, act_order: bool = False, shrink: float = 0.0):
     """GPTQ as the paper states it, one column at a time with no Cholesky factor and no lazy
     batches: quantize column j, then move the columns F still free by the Optimal Brain Surgeon
     update -(w_j - q_j) / [H_F⁻¹]_jj · [H_F⁻¹]_j,:, with H_F⁻¹ inverted afresh each column.
-    `act_order`: the columns by decreasing H_jj, every group fitted first (static groups)."""
+    `act_order`: the columns by decreasing H_jj, every group fitted first (static groups).
+    `shrink`: α, H taken as (1 - α)·H + α·diag(H) first."""
     out, k = weight.shape
     padded = -(-k // group_size) * group_size
     W = F.pad(weight.double(), (0, padded - k))
     H = torch.zeros(padded, padded, dtype=torch.float64)
     H[:k, :k] = hessian.double()
+    off_diagonal = ~torch.eye(padded, dtype=torch.bool)
+    H[off_diagonal] *= 1 - shrink
     dead = H.diagonal() == 0
     H[dead, dead] = 1.0
     W[:, dead] = 0.0
@@ -80,19 +89,20 @@ def _layer(out: int = 24, k: int = 200, rows: int = 400, seed: int = 0):
 
 
 @pytest.mark.parametrize(("group_size", "symmetric"), CASES)
-@pytest.mark.parametrize(("search", "weighted", "act_order"),
-                         [(False, False, False), (True, False, False), (True, True, False), (False, False, True),
-                          (True, True, True)])
-def test_gptq_matches_the_papers_algorithm_in_float64(group_size, symmetric, search, weighted, act_order, monkeypatch):
+@pytest.mark.parametrize(("search", "weighted", "act_order", "shrink"),
+                         [(False, False, False, 0.0), (True, False, False, 0.0), (True, True, False, 0.0),
+                          (False, False, True, 0.0), (True, True, True, 0.0), (True, True, True, 0.3)])
+def test_gptq_matches_the_papers_algorithm_in_float64(group_size, symmetric, search, weighted, act_order, shrink,
+                                                      monkeypatch):
     from pagedserve.plugins import int4_gptq
 
     monkeypatch.setattr(int4_gptq, "BLOCK_COLUMNS", 32)  # several lazy batches at group 32
     weight, x = _layer(out=8, k=72, rows=160)  # 72 inputs: padded to 96 and to 128
     hessian = x.double().T @ x.double()
     codes, scales, zeros = gptq_quantize(weight.double(), hessian, group_size, symmetric, search, weighted_fit=weighted,
-                                         act_order=act_order)
+                                         act_order=act_order, shrink=shrink)
     want_codes, want_scales, want_zeros = reference_gptq(weight, hessian, group_size, symmetric, search, weighted,
-                                                         act_order)
+                                                         act_order, shrink)
     assert torch.equal(codes, want_codes)
     assert torch.allclose(scales, want_scales, rtol=1e-9, atol=0)
     assert torch.equal(zeros, want_zeros)
@@ -112,16 +122,34 @@ def test_diagonal_hessian_gives_round_to_nearest_exactly(group_size, symmetric, 
     assert symmetric or torch.equal(zeros, rtn.zeros)
 
 
+@pytest.mark.parametrize(("group_size", "symmetric"), CASES)
+def test_a_fully_shrunk_hessian_is_its_diagonal_and_the_methods_shrink_it(group_size, symmetric):
+    from pagedserve.plugins import int4_gptq
+
+    weight, x = _layer()
+    hessian = x.T @ x
+    flags = {"search": True, "weighted_fit": True, "act_order": True}
+    diagonal = gptq_quantize(weight, torch.diag(hessian.diagonal()), group_size, symmetric, **flags)
+    shrunk = gptq_quantize(weight, hessian, group_size, symmetric, shrink=1.0, **flags)
+    assert all(torch.equal(a, b) for a, b in zip(shrunk, diagonal, strict=True))
+    # the methods' fit: GPTQ_HESSIAN_SHRINK, which moves codes (this layer's inputs are correlated)
+    fitted = gptq_fit(weight, hessian, group_size, symmetric)
+    assert int4_gptq.GPTQ_HESSIAN_SHRINK == 0.2
+    want = gptq_quantize(weight, hessian, group_size, symmetric, shrink=0.2, **flags)
+    assert all(torch.equal(a, b) for a, b in zip(fitted, want, strict=True))
+    assert not torch.equal(fitted[0], gptq_quantize(weight, hessian, group_size, symmetric, **flags)[0])
+
+
 def _output_error(weight: torch.Tensor, x: torch.Tensor, q: Int4Weights) -> float:
     x64 = x.double()
     return float(((x64 @ (weight.double() - dequantize(q).double()).T) ** 2).sum())
 
 
 @pytest.mark.parametrize(("group_size", "symmetric"), CASES)
-@pytest.mark.parametrize("act_order", [False, True])
-def test_gptq_error_on_its_calibration_inputs_is_below_round_to_nearest(group_size, symmetric, act_order):
+@pytest.mark.parametrize(("act_order", "shrink"), [(False, 0.0), (True, 0.0), (True, GPTQ_HESSIAN_SHRINK)])
+def test_gptq_error_on_its_calibration_inputs_is_below_round_to_nearest(group_size, symmetric, act_order, shrink):
     weight, x = _layer()
-    codes, scales, zeros = gptq_quantize(weight, x.T @ x, group_size, symmetric, act_order=act_order)
+    codes, scales, zeros = gptq_quantize(weight, x.T @ x, group_size, symmetric, act_order=act_order, shrink=shrink)
     fitted = Int4Weights(pack_codes(codes), scales.half(), None if symmetric else zeros, group_size, weight.shape[1])
     gptq_error = _output_error(weight, x, fitted)
     # both data-free fits: round-to-nearest, and the scale search the methods run without calibration
