@@ -5,9 +5,10 @@ weights dequantized into it, from one set of calibration statistics.
         [--eval-tokens 4096] VARIANT [VARIANT ...]
 
 VARIANT: `data-free` (the methods' scale search), `rtn` (round-to-nearest), `imatrix` (the
-search weighing each input by its Σ x²), `gptq` or `gptq:damp=0.1,weighted=0,search=1` (GPTQ,
-plugins/int4_gptq.py, from the float model's Hessians: one pass, not the methods' sequential
-passes). The engine is built once (float32); one calibration pass over the first `--tokens`
+search weighing each input by its Σ x²), `gptq` or `gptq:damp=0.1,weighted=0,search=1,act_order=0,shrink=0`
+(GPTQ, plugins/int4_gptq.py, by default as the methods run it: act order, the Hessian shrunk by
+`GPTQ_HESSIAN_SHRINK`; but from the float model's Hessians: one pass, not the methods'
+sequential passes). The engine is built once (float32); one calibration pass over the first `--tokens`
 tokens of engine/data/calibration.txt records every linear's Σ xᵀx; each variant then writes its
 dequantized int4 weights into the float model's linears and scores the first `--eval-tokens`
 tokens of the perplexity text (context 1024, chunks of 1024: the int4 engine's prefill path also
@@ -26,7 +27,7 @@ from pagedserve.bench.perplexity import default_text, perplexity, text_tokens
 from pagedserve.common.engine_config import DEFAULT_MODEL, EngineConfig
 from pagedserve.engine.calibration import CalibrationRequest, TokenCalibration, calibration_tokens
 from pagedserve.engine.engine import Engine
-from pagedserve.plugins.int4_gptq import DAMP, gptq_quantize
+from pagedserve.plugins.int4_gptq import DAMP, GPTQ_ACT_ORDER, GPTQ_HESSIAN_SHRINK, gptq_quantize
 from pagedserve.plugins.int4_quantization import Int4Weights, dequantize, pack_codes, quantize
 
 
@@ -38,12 +39,14 @@ def variant_weight(spec: str, weight: torch.Tensor, hessian: torch.Tensor, group
         return dequantize(quantize(weight, group, symmetric, search=name != "rtn", importance=importance))
     if name != "gptq":
         raise SystemExit(f"unknown variant {spec!r}")
-    settings = {"damp": DAMP, "weighted": 1.0, "search": 1.0}
+    settings = {"damp": DAMP, "weighted": 1.0, "search": 1.0, "act_order": float(GPTQ_ACT_ORDER),
+                "shrink": GPTQ_HESSIAN_SHRINK}
     for item in filter(None, options.split(",")):
         key, _, value = item.partition("=")
         settings[key] = float(value)
     codes, scales, zeros = gptq_quantize(weight, hessian, group, symmetric, bool(settings["search"]),
-                                         settings["damp"], weighted_fit=bool(settings["weighted"]))
+                                         settings["damp"], weighted_fit=bool(settings["weighted"]),
+                                         act_order=bool(settings["act_order"]), shrink=settings["shrink"])
     return dequantize(Int4Weights(pack_codes(codes), scales.half(), None if symmetric else zeros, group,
                                   weight.shape[1]))
 
