@@ -25,7 +25,9 @@ import contextlib
 import functools
 import hashlib
 import logging
+import os
 import platform
+import re
 import time
 from pathlib import Path
 
@@ -47,7 +49,27 @@ _SOURCES = [_CSRC / "cpu_module.cpp", _CSRC / "cpu_paged_attention.cpp", _CSRC /
 #: silu(200) one ulp under 200 on one Intel Xeon and exactly 200 on another). The true
 #: division measured no slower: SiLU·mul of 64 × 1536 for 30 layers, one thread, 4.1-5.0 ms
 #: against 6.0-7.2 ms with the estimate (Intel Xeon, AVX-512, loaded; alternated processes).
-_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-mno-recip"]
+_CFLAGS = ["-O3", "-fopenmp", "-ffast-math", "-mno-recip"]
+#: the headers the sources include: part of the build's key, not compiled on their own
+_HEADERS = [_CSRC / "cpu_build_isa.h"]
+#: the environment variable that names the compiler's -march target instead of `native`, e.g.
+#: `x86-64-v3` (AVX2, FMA, F16C: no AVX-512 and no VNNI anywhere, whatever this CPU has; the
+#: run-time kernel choices stop at the build's sets too, csrc/cpu_build_isa.h)
+ARCH_VARIABLE = "PAGEDSERVE_CPU_ARCH"
+_ARCH_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def build_arch() -> str:
+    """The -march target of the extension: `native` unless `PAGEDSERVE_CPU_ARCH` names another."""
+    arch = os.environ.get(ARCH_VARIABLE, "").strip() or "native"
+    if not _ARCH_PATTERN.fullmatch(arch):
+        raise ValueError(f"{ARCH_VARIABLE}={arch!r} is not a compiler -march name (such as native or x86-64-v3)")
+    return arch
+
+
+def build_flags() -> list[str]:
+    """The compiler flags of the extension: `_CFLAGS` and -march."""
+    return [*_CFLAGS, f"-march={build_arch()}"]
 
 
 def _build_name() -> str:
@@ -58,8 +80,8 @@ def _build_name() -> str:
         info = Path("/proc/cpuinfo").read_text()
         cpu += next((line for line in info.splitlines() if line.startswith(("flags", "Features"))), "")
         cpu += next((line for line in info.splitlines() if line.startswith("model name")), "")
-    digest = hashlib.sha256(cpu.encode() + " ".join(_CFLAGS).encode()
-                            + b"".join(p.read_bytes() for p in _SOURCES)).hexdigest()[:12]
+    digest = hashlib.sha256(cpu.encode() + " ".join(build_flags()).encode()
+                            + b"".join(p.read_bytes() for p in [*_SOURCES, *_HEADERS])).hexdigest()[:12]
     return f"pagedserve_cpu_attention_{digest}"
 
 
@@ -94,11 +116,11 @@ def cpu_kernels():
         module = load(
             name=name,
             sources=[str(p) for p in _SOURCES],
-            extra_cflags=_CFLAGS,
+            extra_cflags=build_flags(),
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
-        logger.info("CPU kernels ready in %.1f s", time.monotonic() - started)
+        logger.info("CPU kernels (-march=%s) ready in %.1f s", build_arch(), time.monotonic() - started)
         return module
     except Exception as exc:  # no compiler, no ninja, ...: the torch backend still works
         logger.warning("CPU attention kernel unavailable, using the torch backend: %s", exc)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import platform
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +11,7 @@ from pagedserve.kernels.cpu_attention import CPUAttentionBackend, cpu_kernels
 from pagedserve.kernels.torch_attention import TorchAttentionBackend
 
 from attention_helpers import build_batch, dense_reference
+from cpu_flags import kernel_flags
 
 SHAPES = [
     # (query lens, context lens, heads, kv heads, head_dim, block size)
@@ -133,9 +133,8 @@ def test_prefill_kernel_matches_the_reference_and_ignores_the_batch(head_dim):
     supported = kernels.prefill_attention_supported(head_dim, 3)
     # never for other head sizes, nor for more query heads per KV head than a task's rows (64; 48 on AVX2)
     assert not kernels.prefill_attention_supported(32, 3) and not kernels.prefill_attention_supported(head_dim, 65)
-    # every x86 build with AVX2 and FMA (the build is -march=native): AVX-512 and AVX2 alike
-    cpuinfo = Path("/proc/cpuinfo")  # the kernel's flags, as tests/kernels/test_cpu_packed_int8.py reads them
-    flags = set(cpuinfo.read_text().split()) if cpuinfo.exists() else set()
+    # every x86 build with AVX2 and FMA: AVX-512 and AVX2 alike
+    flags = kernel_flags(kernels)
     assert supported == ("avx2" in flags and "fma" in flags) or platform.machine() not in ("x86_64", "AMD64")
     assert len(calls) == (1 if supported else 0)  # the kernel, where built for it; else SDPA
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)

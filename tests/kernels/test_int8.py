@@ -159,7 +159,7 @@ def test_int8_linear_rows_are_batch_invariant(k, n, kernel):
     rest); and within their bounds of x · dequantized(w)ᵀ."""
     kernels = cpu_kernels()
     if kernel not in kernels.int8_kernels():
-        pytest.skip(f"this CPU cannot run the {kernel} kernel")
+        pytest.skip(f"this CPU (or the build's -march) cannot run the {kernel} kernel")
     g = torch.Generator().manual_seed(k * 100 + n)
     x = _rows_of_mixed_ranges(20, k, k + n)
     q, scale = quantize_per_channel(torch.randn(n, k, generator=g))

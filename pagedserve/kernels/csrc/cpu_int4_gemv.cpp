@@ -39,6 +39,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
+#include "cpu_build_isa.h"
 
 #include <algorithm>
 #include <atomic>
@@ -74,8 +75,8 @@ bool int4_cpu_has(int k) {
     case kScalar: return true;
     case kAvx2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     case kAvx512Vnni:
-      return int4_cpu_has(kAvx2) && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-             __builtin_cpu_supports("avx512vnni");
+      return pagedserve_isa::kBuildAvx512Vnni && int4_cpu_has(kAvx2) && __builtin_cpu_supports("avx512f") &&
+             __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
   }
   return false;
 #else

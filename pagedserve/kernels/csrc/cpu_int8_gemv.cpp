@@ -34,6 +34,7 @@
 // its float path (the weights widened to float32), which is also the A/B switch's other side.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include "cpu_build_isa.h"
 
 #include <algorithm>
 #include <atomic>
@@ -65,10 +66,10 @@ bool cpu_has(Int8Kernel k) {
   switch (k) {
     case kFloat: return true;
     case kAvx2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    case kAvxVnni: return cpu_has(kAvx2) && __builtin_cpu_supports("avxvnni");
+    case kAvxVnni: return pagedserve_isa::kBuildAvxVnni && cpu_has(kAvx2) && __builtin_cpu_supports("avxvnni");
     case kAvx512Vnni:
-      return cpu_has(kAvx2) && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-             __builtin_cpu_supports("avx512vnni");
+      return pagedserve_isa::kBuildAvx512Vnni && cpu_has(kAvx2) && __builtin_cpu_supports("avx512f") &&
+             __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
   }
   return false;
 #else

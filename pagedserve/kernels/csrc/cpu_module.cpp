@@ -5,6 +5,9 @@
 // ranks' shared-memory counters (cpu_shm_sync.cpp).
 #include <torch/extension.h>
 
+#include <string>
+#include <vector>
+
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor seq_lens, double scale);
 void store_kv_int8(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -20,7 +23,37 @@ void bind_cpu_int4_gemv(pybind11::module& m);
 void bind_cpu_shm_sync(pybind11::module& m);
 void bind_cpu_packed_gemm(pybind11::module& m);
 
+// The vector instruction sets the build's -march enables, spelled as /proc/cpuinfo's flags
+// (csrc/cpu_build_isa.h): a kernel runs where the CPU has its sets and the build admits them.
+std::vector<std::string> build_instruction_sets() {
+  std::vector<std::string> sets;
+#if defined(__AVX2__)
+  sets.emplace_back("avx2");
+#endif
+#if defined(__FMA__)
+  sets.emplace_back("fma");
+#endif
+#if defined(__F16C__)
+  sets.emplace_back("f16c");
+#endif
+#if defined(__AVX512F__)
+  sets.emplace_back("avx512f");
+#endif
+#if defined(__AVX512BW__)
+  sets.emplace_back("avx512bw");
+#endif
+#if defined(__AVX512VNNI__)
+  sets.emplace_back("avx512_vnni");
+#endif
+#if defined(__AVXVNNI__)
+  sets.emplace_back("avx_vnni");
+#endif
+  return sets;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("build_instruction_sets", &build_instruction_sets,
+        "the vector instruction sets this build's -march enables, as /proc/cpuinfo spells them");
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (CPU)");
   m.def("store_kv_int8", &store_kv_int8, "float32 K/V → int8 KV cache rows (values, then the float32 scale)");
   m.def("set_decode_attention_isa", &set_decode_attention_isa,

@@ -31,6 +31,7 @@
 // minute of compile time per file, and the workers build this at their first start. The torch
 // operators and Python bindings over these functions are in cpu_decode.cpp.
 #include <ATen/Parallel.h>
+#include "cpu_build_isa.h"
 
 #include <algorithm>
 #include <cmath>
@@ -66,7 +67,7 @@ enum class Isa { kScalar, kAvx2, kAvx512 };
 Isa detect_isa() {
 #ifdef PSP_X86
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f")) return Isa::kAvx512;
+  if (pagedserve_isa::kBuildAvx512 && __builtin_cpu_supports("avx512f")) return Isa::kAvx512;
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::kAvx2;
 #endif
   return Isa::kScalar;

@@ -35,6 +35,7 @@
 //  - `scalar`: the same sums in plain C++ (other CPUs, and the reference in tests).
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
+#include "cpu_build_isa.h"
 
 #include <algorithm>
 #include <cmath>
@@ -89,9 +90,9 @@ bool cpu_runs(Isa isa) {
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
   switch (isa) {
     case Isa::kAvx512Vnni:
-      return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-             __builtin_cpu_supports("avx512vnni");
-    case Isa::kAvxVnni: return avx2 && __builtin_cpu_supports("avxvnni");
+      return pagedserve_isa::kBuildAvx512Vnni && avx2 && __builtin_cpu_supports("avx512f") &&
+             __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
+    case Isa::kAvxVnni: return pagedserve_isa::kBuildAvxVnni && avx2 && __builtin_cpu_supports("avxvnni");
     case Isa::kAvx2: return avx2;
     default: break;
   }

@@ -1,0 +1,32 @@
+// The instruction sets this build of the extension admits, from the compiler's -march: a kernel
+// above them is never picked at run time, whatever the CPU's flags say.
+//
+// The extension is built with -march=native by default, so on the CPU that built it these are
+// exactly the CPU's own sets and nothing changes. Built for an older target
+// (PAGEDSERVE_CPU_ARCH=x86-64-v3: AVX2, FMA and F16C; kernels/cpu_attention.py), every kernel of
+// the extension runs that target's code on any CPU: the run-time choices (packed products, int8
+// and int4 GEMVs) stop at AVX2 here, as the compile-time ones (attention, element-wise ops)
+// already do: the AVX2 paths, measured and tested on an AVX-512 machine.
+#pragma once
+
+namespace pagedserve_isa {
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+constexpr bool kBuildAvx512 = true;
+#else
+constexpr bool kBuildAvx512 = false;
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+constexpr bool kBuildAvx512Vnni = true;
+#else
+constexpr bool kBuildAvx512Vnni = false;
+#endif
+
+#if defined(__AVXVNNI__)
+constexpr bool kBuildAvxVnni = true;
+#else
+constexpr bool kBuildAvxVnni = false;
+#endif
+
+}  // namespace pagedserve_isa
