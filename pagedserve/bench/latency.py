@@ -95,7 +95,10 @@ def run(args: argparse.Namespace) -> int:
     rows = [(name, figures["tg"], args.prompt / figures["pp"]) for name, figures in peers] + rows
     import torch
 
+    from pagedserve.kernels.cpu_attention import build_arch
+
     print(f"model={args.model} float32 activations threads={args.threads} torch={torch.__version__} "
+          f"cpu_march={build_arch()} "
           f"decode: {args.tokens} tokens after a 1-token prompt; TTFT: {args.prompt}-token prompt; "
           f"mean of {args.repeat}")
     first = peers[0][0] if peers else "llama.cpp"

@@ -229,10 +229,12 @@ def run(args: argparse.Namespace) -> int:
         points = [{"label": r["system"].removeprefix("pagedserve "), "output_throughput": r["output_tok_s"], **r}
                   for r in rows if "ttft" in r]
         plot_latency_curve(points, args.plot, f"pagedserve bench offline: {args.workload}, {args.dtype}")
+    from pagedserve.kernels.cpu_attention import build_arch
+
     base = rows[0]
     print(f"workload={args.workload} model={args.model} dtype={args.dtype} "
           f"pack_cpu_weights={not getattr(args, 'no_pack_cpu_weights', False)} quantization={getattr(args, 'quantization', None)} kv_cache_dtype={getattr(args, 'kv_cache_dtype', 'auto')} "
-          f"threads={args.threads} torch={torch.__version__}")
+          f"threads={args.threads} torch={torch.__version__} cpu_march={build_arch()}")
     print(f"{'system':30} {'seconds':>8} {'out tok/s':>10} {'total tok/s':>12} {'pagedserve x':>13} {'TTFT mean/median/p99 s':>24}")
     for r in rows:
         t = r.get("ttft")

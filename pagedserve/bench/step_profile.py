@@ -201,6 +201,7 @@ def run_profile(args) -> int:
     """`bench offline --profile`: the table for each batch size, for the default engine and,
     in the same run, for the eager one (`--enforce-eager`)."""
     from pagedserve import LLM
+    from pagedserve.kernels.cpu_attention import build_arch
 
     batches = [int(b) for b in str(args.profile_batches).split(",")]
     tp = getattr(args, "tensor_parallel_size", 1)
@@ -208,7 +209,7 @@ def run_profile(args) -> int:
     print(f"model={args.model} dtype={args.dtype} threads={args.threads} tensor_parallel_size={tp} "
           f"tensor_parallel_all_reduce={all_reduce} pack_cpu_weights={not getattr(args, 'no_pack_cpu_weights', False)} "
           f"quantization={getattr(args, 'quantization', None)} quantize_lm_head={getattr(args, 'quantize_lm_head', False)} "
-          f"torch={torch.__version__} "
+          f"torch={torch.__version__} cpu_march={build_arch()} "
           f"prompt={args.profile_prompt} tokens, {args.profile_steps} decode steps per batch")
     for eager in (False, True):
         llm = LLM(args.model, dtype=args.dtype, enforce_eager=eager, max_num_seqs=max(batches),
