@@ -56,7 +56,7 @@ _HEADERS = [_CSRC / "cpu_build_isa.h"]
 #: `x86-64-v3` (AVX2, FMA, F16C: no AVX-512 and no VNNI anywhere, whatever this CPU has; the
 #: run-time kernel choices stop at the build's sets too, csrc/cpu_build_isa.h)
 ARCH_VARIABLE = "PAGEDSERVE_CPU_ARCH"
-_ARCH_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+_ARCH_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")  # x86-64-v3, armv8.2-a+dotprod
 
 
 def build_arch() -> str:
@@ -105,7 +105,10 @@ def _remove_stale_lock(name: str) -> None:
 
 @functools.cache
 def cpu_kernels():
-    """The compiled extension module, or None when it cannot be built here."""
+    """The compiled extension module, or None when it cannot be built here. A
+    `PAGEDSERVE_CPU_ARCH` that is not a -march name raises ValueError: asked for, it is not
+    silently replaced by the torch backend."""
+    build_arch()
     try:
         from torch.utils.cpp_extension import load
 

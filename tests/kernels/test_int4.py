@@ -76,8 +76,8 @@ def test_this_cpu_runs_its_best_path(kernels):
     names = kernels.int4_kernels()
     assert names[-1] == "scalar"
     flags = kernel_flags(kernels)
-    assert (names[0] == "avx512vnni") == ({"avx512f", "avx512bw", "avx512_vnni", "avx2", "fma"} <= flags)
-    assert ("avx2" in names) == ({"avx2", "fma"} <= flags)
+    assert (names[0] == "avx512vnni") == ({"avx512f", "avx512bw", "avx512_vnni", "avx2", "fma", "f16c"} <= flags)
+    assert ("avx2" in names) == ({"avx2", "fma", "f16c"} <= flags)
 
 
 @pytest.mark.parametrize(("k", "n", "group"), SHAPES)

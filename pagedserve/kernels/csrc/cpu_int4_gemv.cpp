@@ -73,7 +73,7 @@ bool int4_cpu_has(int k) {
   __builtin_cpu_init();
   switch (k) {
     case kScalar: return true;
-    case kAvx2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case kAvx2: return pagedserve_isa::kBuildAvx2 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     case kAvx512Vnni:
       return pagedserve_isa::kBuildAvx512Vnni && int4_cpu_has(kAvx2) && __builtin_cpu_supports("avx512f") &&
              __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");

@@ -65,7 +65,7 @@ bool cpu_has(Int8Kernel k) {
   __builtin_cpu_init();
   switch (k) {
     case kFloat: return true;
-    case kAvx2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case kAvx2: return pagedserve_isa::kBuildAvx2 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     case kAvxVnni: return pagedserve_isa::kBuildAvxVnni && cpu_has(kAvx2) && __builtin_cpu_supports("avxvnni");
     case kAvx512Vnni:
       return pagedserve_isa::kBuildAvx512Vnni && cpu_has(kAvx2) && __builtin_cpu_supports("avx512f") &&

@@ -59,7 +59,10 @@ constexpr int64_t kBlockBytes = 192 << 10;  // the rows of x one block keeps in 
 // and its LM head, 2 threads, AMD EPYC Zen 4, the variants switched in one process (median of
 // 10 passes): M = 1 13.83 ms without it against 17.29 with it (38.9 against 31.1 GB/s), M = 4
 // 13.94 against 17.00, M = 16 28.24 against 30.68; the thread's next tile into L2 instead:
-// 14.97, 15.75, 28.87. (Not measured on an AVX2 CPU, whose tile keeps its prefetch.)
+// 14.97, 15.75, 28.87. (Not measured on an AVX2 CPU, whose tile keeps its prefetch.) Since then
+// the tiles of a batch of several tiles of rows do ask for the next tile (NextTile, below: faster
+// on an Intel Xeon at 16 and 64 rows; not measured again on that Zen 4); a batch that fits one
+// tile of rows, as above, does not.
 constexpr int64_t kPrefetchBytes = 4096;
 
 // A decode batch of several tiles of rows (m above the tile's rows, within one block of rows):
@@ -83,7 +86,7 @@ Isa detect_isa() {
 #ifdef PSP_X86
   __builtin_cpu_init();
   if (pagedserve_isa::kBuildAvx512 && __builtin_cpu_supports("avx512f")) return Isa::kAvx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::kAvx2;
+  if (pagedserve_isa::kBuildAvx2 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::kAvx2;
 #endif
   return Isa::kScalar;
 }

@@ -87,7 +87,8 @@ bool cpu_runs(Isa isa) {
 #ifdef PSI_X86
   __builtin_cpu_init();
   // F16C: the int4 tiles' float16 scales (every AVX2 CPU has it; a CPU that hid it gets scalar)
-  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  const bool avx2 = pagedserve_isa::kBuildAvx2 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                    __builtin_cpu_supports("f16c");
   switch (isa) {
     case Isa::kAvx512Vnni:
       return pagedserve_isa::kBuildAvx512Vnni && avx2 && __builtin_cpu_supports("avx512f") &&
