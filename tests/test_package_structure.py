@@ -32,3 +32,19 @@ def test_no_long_module_outside_models_kernels_and_benchmarks():
         if lines > MAX_LINES:
             long[relative] = lines
     assert long == {}
+
+
+def test_every_kernel_source_and_header_is_package_data():
+    """Workers build the C++ extension from the installed package (the images build it at image
+    time), so every file of kernels/csrc must be package data: a header left out of the globs
+    once failed that build in the image while every test of the checkout passed."""
+    import tomllib
+
+    from pagedserve.kernels import cpu_attention
+
+    config = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())
+    globs = config["tool"]["setuptools"]["package-data"]["pagedserve.kernels"]
+    kernels = PACKAGE / "kernels"
+    shipped = {path for pattern in globs for path in kernels.glob(pattern)}
+    assert sorted(p.name for p in (kernels / "csrc").iterdir() if p.is_file()) == sorted(p.name for p in shipped)
+    assert set(cpu_attention._SOURCES) | set(cpu_attention._HEADERS) <= shipped
