@@ -601,7 +601,7 @@ constexpr int kRowVecs = 6, kAtOnce = 2;
 // load into each of its kAtOnce FMAs, twice the loads (a standalone copy, one thread, 2048
 // tokens: 4 × 2 tiles 50.3 GFLOP/s without it, 55.2 with it; 6 × 2 with it 56-66). AVX-512
 // builds do without it: no gain measured there.
-#if !defined(__AVX512F__) && (defined(__x86_64__) || defined(__i386__))
+#if !defined(__AVX512F__) && defined(__AVX__)
 #define PSI_IN_REGISTER(x) __asm__("" : "+x"(x))
 #else
 #define PSI_IN_REGISTER(x) (void)0
