@@ -24,6 +24,8 @@ SHAPES = [
     # after their context, sequences that end inside a block)
     ([1, 40, 7, 100], [30, 40, 20, 130], 6, 2, 64, 16),
     ([1, 70, 33, 2], [9, 70, 65, 2], 8, 1, 128, 32),
+    # decodes across the CPU decode kernel's 256-token context partitions (two and three, merged)
+    ([1, 1, 1], [300, 20, 600], 6, 2, 64, 16),
 ]
 BACKENDS = [TorchAttentionBackend, CPUAttentionBackend]
 
@@ -66,12 +68,13 @@ def attention_isa(request):
 def test_vector_decode_path_matches_the_reference_and_ignores_the_batch(attention_isa, head_dim, block_size):
     """The float32 decode kernel's vector paths (AVX-512 where the build has it, and AVX2; head_dim
     64 and 128): contexts around the groups of 8 or 16 keys they score at once and the blocks
-    (1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 150), GQA 3, against the float64 reference; and each
+    (1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 150) and the context partitions of 256 tokens (256: one;
+    257 and 512: two; 700: three, merged), GQA 3, against the float64 reference; and each
     sequence's rows are the same bits alone as in the batch (its own blocks, whatever else
-    shares the call). On 2 threads the batch of 11 runs one task per sequence (from 4 sequences
-    a thread) and a sequence alone one per KV head: the two task shapes give the same bits. A
-    build without AVX2 + FMA runs its generic loops for both."""
-    lens = [1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 150]
+    shares the call). On 2 threads the batch of 15 runs one task per sequence (from 4 sequences
+    a thread) and a sequence alone one per KV head and partition: the two task shapes give the
+    same bits. A build without AVX2 + FMA runs its generic loops for both."""
+    lens = [1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 150, 256, 257, 512, 700]
     query, key, value, kv_cache, metadata = build_batch([1] * len(lens), lens, 9, 3, head_dim, block_size,
                                                         torch.float32)
     scale = head_dim**-0.5

@@ -65,6 +65,8 @@ SHAPES = [
     ([1, 1, 7, 20], [40, 3, 7, 50], 6, 2, 36, 16),  # GQA 3: decodes + fresh prefill + chunk with context
     ([1, 1, 1, 1, 1], [100, 17, 64, 1, 77], 8, 1, 64, 8),  # GQA 8, 13 blocks of 8 for the longest
     ([1, 3, 5], [9, 3, 21], 5, 5, 12, 4),  # odd head count, blocks of 4
+    ([1, 1, 1], [300, 9, 530], 6, 2, 36, 16),  # GQA 3 across the decode kernel's 256-token partitions
+    ([1, 1], [257, 600], 4, 4, 20, 8),  # MHA, blocks of 8: two and three partitions of 32 blocks
 ]
 
 

@@ -1,8 +1,9 @@
 // Decode attention over the paged KV cache, for CPU workers.
 //
-// One task per (sequence, KV head): the query heads that share that KV head read each
-// cached key and value exactly once, straight from its block (no gather into a padded
-// copy), accumulating in float32, in a single pass over the blocks (online softmax). Same
+// One task per (sequence, KV head, context partition): the query heads that share that KV head
+// read each cached key and value exactly once, straight from its block (no gather into a padded
+// copy), accumulating in float32, in a single pass over the partition's blocks (online softmax);
+// a context of several partitions (over 256 tokens) is merged after (merge_partitions). Same
 // function as the torch reference in kernels/torch_attention.py; tests compare the two.
 // Batches of float32 decodes on the vector path run one task per sequence instead
 // (decode_by_sequence): the same per-head steps, each block read whole for all KV heads.
@@ -322,6 +323,51 @@ void attend_block_avx512(const float* qf, const float* kp, const float* vp, int6
 #endif
 #endif
 
+// Context partitions. A sequence's context is cut into partitions of kPartitionTokens (rounded
+// to whole blocks); each partition runs the online softmax on its own, from zero, and a
+// context of several partitions ends with merge_partitions. The cut depends on the context
+// length and the block size only, never on the batch or the threads, so a row's bits do not
+// depend on either; a context of one partition (up to 256 tokens with blocks of 16) gives the
+// bits it gave before partitions existed. Why: a task per (sequence, KV head) leaves one
+// decode's attention to as many threads as the model has KV heads (3 for the default model),
+// so at batch 1 on 2 threads one thread read two heads while the other read one, and on 16
+// cores 13 sat idle; partitions give a long context more tasks than threads.
+constexpr int64_t kPartitionTokens = 256;
+inline int64_t partition_blocks(int64_t block_size) { return std::max<int64_t>(1, kPartitionTokens / block_size); }
+inline int64_t num_partitions(int64_t len, int64_t block_size) {
+  const int64_t per = partition_blocks(block_size) * block_size;
+  return len <= per ? 1 : (len + per - 1) / per;
+}
+
+// out[g, :] for the query heads g < group of one (sequence, KV head) from its `parts`
+// partitions' maxima m[part][g], sums l[part][g] and unnormalized outputs acc[part][g][head_dim]
+// (`part_stride` floats between partitions in each): the partitions rescaled to the largest
+// maximum and added in order, then normalized.
+template <typename T>
+void merge_partitions(const float* m, const float* l, const float* acc, int64_t parts, int64_t group,
+                      int64_t head_dim, int64_t m_stride, int64_t acc_stride, T* out) {
+  std::vector<float> weight(parts), o(head_dim);
+  for (int64_t g = 0; g < group; ++g) {
+    float top = m[g];
+    for (int64_t i = 1; i < parts; ++i) top = std::max(top, m[i * m_stride + g]);
+    float total = 0.f;
+    for (int64_t i = 0; i < parts; ++i) {
+      weight[i] = std::exp(m[i * m_stride + g] - top);
+      total += l[i * m_stride + g] * weight[i];
+    }
+    std::fill(o.begin(), o.end(), 0.f);
+    for (int64_t i = 0; i < parts; ++i) {
+      const float* a = acc + i * acc_stride + g * head_dim;
+      const float w = weight[i];
+#pragma omp simd
+      for (int64_t d = 0; d < head_dim; ++d) o[d] += a[d] * w;
+    }
+    const float inv = 1.f / total;
+    T* op = out + g * head_dim;
+    for (int64_t d = 0; d < head_dim; ++d) op[d] = static_cast<T>(o[d] * inv);
+  }
+}
+
 #if defined(__AVX2__) && defined(__FMA__)
 // From this many sequences per thread a float32 decode on the vector path runs one task per
 // sequence (decode_by_sequence) instead of one per (sequence, KV head).
@@ -369,19 +415,44 @@ void decode_by_sequence(VectorBlockFn vector_block, const float* q, const float*
         ++ahead_block;
       }
     };
+    // the finished partitions of a long context: maxima and sums [part][num_heads], outputs
+    // [part][num_heads][head_dim] (merge_partitions)
+    std::vector<float> part_m, part_l, part_acc;
+    const int64_t per_part = partition_blocks(block_size) * block_size;
     prefetch_ahead();
     for (int64_t s = begin; s < end; ++s) {
-      const int64_t len = seq_lens[s];
+      const int64_t len = seq_lens[s], parts = num_partitions(len, block_size);
+      if (parts > 1) {
+        part_m.resize(parts * num_heads);
+        part_l.resize(parts * num_heads);
+        part_acc.resize(parts * num_heads * head_dim);
+      }
       for (int64_t i = 0; i < num_heads * head_dim; ++i) qf[i] = q[s * num_heads * head_dim + i] * scale;
-      std::fill(acc.begin(), acc.end(), 0.f);
-      std::fill(sum.begin(), sum.end(), 0.f);
-      for (int64_t start = 0; start < len; start += block_size) {
-        prefetch_ahead();
-        const int64_t at = block_tables[s * max_blocks + start / block_size] * block_stride;
+      for (int64_t part = 0; part < parts; ++part) {
+        std::fill(acc.begin(), acc.end(), 0.f);
+        std::fill(sum.begin(), sum.end(), 0.f);
+        const int64_t part_end = std::min(len, (part + 1) * per_part);
+        for (int64_t start = part * per_part; start < part_end; start += block_size) {
+          prefetch_ahead();
+          const int64_t at = block_tables[s * max_blocks + start / block_size] * block_stride;
+          for (int64_t h = 0; h < num_kv_heads; ++h)
+            vector_block(qf.data() + h * group * head_dim, k_cache + at + h * head_dim, v_cache + at + h * head_dim,
+                         token_stride, std::min(block_size, part_end - start), start == part * per_part, group, padded,
+                         probs.data(), acc.data() + h * group * head_dim, mx.data() + h * group, sum.data() + h * group);
+        }
+        if (parts > 1) {
+          std::copy(mx.begin(), mx.end(), part_m.begin() + part * num_heads);
+          std::copy(sum.begin(), sum.end(), part_l.begin() + part * num_heads);
+          std::copy(acc.begin(), acc.end(), part_acc.begin() + part * num_heads * head_dim);
+        }
+      }
+      if (parts > 1) {
+        // each KV head's query heads, as decode_attention's tasks merge them
         for (int64_t h = 0; h < num_kv_heads; ++h)
-          vector_block(qf.data() + h * group * head_dim, k_cache + at + h * head_dim, v_cache + at + h * head_dim,
-                       token_stride, std::min(block_size, len - start), start == 0, group, padded, probs.data(),
-                       acc.data() + h * group * head_dim, mx.data() + h * group, sum.data() + h * group);
+          merge_partitions(part_m.data() + h * group, part_l.data() + h * group,
+                           part_acc.data() + h * group * head_dim, parts, group, head_dim, num_heads,
+                           num_heads * head_dim, out + (s * num_heads + h * group) * head_dim);
+        continue;
       }
       for (int64_t g = 0; g < num_heads; ++g) {
         float* op = out + (s * num_heads + g) * head_dim;
@@ -425,7 +496,22 @@ void decode_attention(const T* q, const C* k_cache, const C* v_cache, const int3
                                 num_kv_heads, head_dim, block_size, max_blocks, scale);
   }
 #endif
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // the work units: (sequence, partition), a sequence's partitions in order; a task is a unit's
+  // KV head. Partials of the sequences of several partitions, per unit: maxima and sums
+  // [num_heads], outputs [num_heads][head_dim] (merge_partitions, after the tasks).
+  const int64_t per_part = partition_blocks(block_size) * block_size;
+  std::vector<int64_t> unit_seq, first_unit(num_seqs + 1);
+  unit_seq.reserve(num_seqs);
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    first_unit[s] = static_cast<int64_t>(unit_seq.size());
+    unit_seq.insert(unit_seq.end(), num_partitions(seq_lens[s], block_size), s);
+  }
+  first_unit[num_seqs] = static_cast<int64_t>(unit_seq.size());
+  const int64_t units = first_unit[num_seqs];
+  const bool split = units > num_seqs;
+  std::vector<float> part_m(split ? units * num_heads : 0), part_l(split ? units * num_heads : 0),
+      part_acc(split ? units * num_heads * head_dim : 0);
+  at::parallel_for(0, units * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * head_dim), acc(group * head_dim), probs(group * padded), mx(group), sum(group);
     std::vector<float> k_scale(kInt8 ? block_size : 0), v_scale(kInt8 ? block_size : 0);
     std::vector<float> kf(widen ? block_size * head_dim : 0), vf(widen ? block_size * head_dim : 0);
@@ -487,16 +573,18 @@ void decode_attention(const T* q, const C* k_cache, const C* v_cache, const int3
     const int64_t row_bytes = kInt8 ? width : head_dim * static_cast<int64_t>(sizeof(C));
     // the first block of a task: the previous task asked for it (the first task asks itself)
     auto prefetch_first = [&](int64_t task) {
-      const int64_t s = task / num_kv_heads, h = task % num_kv_heads;
-      if (seq_lens[s] <= 0) return;
-      const int64_t offset = block_tables[s * max_blocks] * block_stride + h * width;
-      prefetch_block(k_cache + offset, v_cache + offset, token_stride, std::min<int64_t>(block_size, seq_lens[s]),
-                     row_bytes);
+      const int64_t unit = task / num_kv_heads, h = task % num_kv_heads, s = unit_seq[unit];
+      const int64_t start = (unit - first_unit[s]) * per_part;
+      if (seq_lens[s] <= start) return;
+      const int64_t offset = block_tables[s * max_blocks + start / block_size] * block_stride + h * width;
+      prefetch_block(k_cache + offset, v_cache + offset, token_stride,
+                     std::min<int64_t>(block_size, seq_lens[s] - start), row_bytes);
     };
     if (begin < end) prefetch_first(begin);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t s = task / num_kv_heads, h = task % num_kv_heads;
-      const int64_t len = seq_lens[s];
+      const int64_t unit = task / num_kv_heads, h = task % num_kv_heads, s = unit_seq[unit];
+      const int64_t parts = first_unit[s + 1] - first_unit[s], part_start = (unit - first_unit[s]) * per_part;
+      const int64_t len = std::min<int64_t>(seq_lens[s], part_start + per_part);  // this partition's end
       const int32_t* table = block_tables + s * max_blocks;
       for (int64_t g = 0; g < group; ++g) {
         const T* qp = q + (s * num_heads + h * group + g) * head_dim;
@@ -504,7 +592,7 @@ void decode_attention(const T* q, const C* k_cache, const C* v_cache, const int3
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(sum.begin(), sum.end(), 0.f);
-      for (int64_t start = 0; start < len; start += block_size) {
+      for (int64_t start = part_start; start < len; start += block_size) {
         const int64_t n = std::min(block_size, len - start);
         const int64_t offset = table[start / block_size] * block_stride + h * width;
         const C* kp = k_cache + offset;
@@ -534,28 +622,45 @@ void decode_attention(const T* q, const C* k_cache, const C* v_cache, const int3
                 vd[i] = load(vr[i]) * vsc;
               }
             }
-            attend_block(kf.data(), vf.data(), head_dim, nullptr, nullptr, n, start == 0);
+            attend_block(kf.data(), vf.data(), head_dim, nullptr, nullptr, n, start == part_start);
           } else {
-            attend_block(kp, vp, token_stride, k_scale.data(), v_scale.data(), n, start == 0);
+            attend_block(kp, vp, token_stride, k_scale.data(), v_scale.data(), n, start == part_start);
           }
         } else {
 #if defined(__AVX2__) && defined(__FMA__)
           if constexpr (std::is_same_v<C, float>) {
             if (vector_block) {
-              vector_block(qf.data(), kp, vp, token_stride, n, start == 0, group, padded, probs.data(), acc.data(),
+              vector_block(qf.data(), kp, vp, token_stride, n, start == part_start, group, padded, probs.data(), acc.data(),
                            mx.data(), sum.data());
               continue;
             }
           }
 #endif
-          attend_block(kp, vp, token_stride, nullptr, nullptr, n, start == 0);
+          attend_block(kp, vp, token_stride, nullptr, nullptr, n, start == part_start);
         }
+      }
+      if (parts > 1) {  // a partial, merged below
+        const int64_t at = unit * num_heads + h * group;
+        std::copy(mx.begin(), mx.end(), part_m.begin() + at);
+        std::copy(sum.begin(), sum.end(), part_l.begin() + at);
+        std::copy(acc.begin(), acc.end(), part_acc.begin() + at * head_dim);
+        continue;
       }
       for (int64_t g = 0; g < group; ++g) {
         T* op = out + (s * num_heads + h * group + g) * head_dim;
         const float inv = len > 0 ? 1.f / sum[g] : 0.f;
         for (int64_t i = 0; i < head_dim; ++i) op[i] = static_cast<T>(acc[g * head_dim + i] * inv);
       }
+    }
+  });
+  if (!split) return;
+  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t s = task / num_kv_heads, h = task % num_kv_heads, parts = first_unit[s + 1] - first_unit[s];
+      if (parts == 1) continue;
+      const int64_t at = first_unit[s] * num_heads + h * group;
+      merge_partitions(part_m.data() + at, part_l.data() + at, part_acc.data() + at * head_dim, parts, group, head_dim,
+                       num_heads, num_heads * head_dim, out + (s * num_heads + h * group) * head_dim);
     }
   });
 }
