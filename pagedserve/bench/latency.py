@@ -1,11 +1,13 @@
 """`pagedserve bench latency`: one request alone, against llama.cpp in the same run.
 
     pagedserve bench latency --llama-cpp DIR --gguf MODEL-F32.gguf[,MODEL-Q8_0.gguf] [--threads 2] [--tokens 64]
-        [--prompt 128] [--quantization int8 [--quantize-lm-head]]
+        [--prompt 128] [--depth 0] [--quantization int8 [--quantize-lm-head]]
 
 Two figures, the ones a single chat user feels:
 - batch-1 decode: output tok/s of one request generating `--tokens` tokens after a one-token
-  prompt, against `llama-bench -p 0 -n TOKENS` (decode from an empty context);
+  prompt, against `llama-bench -p 0 -n TOKENS` (decode from an empty context); with `--depth N`,
+  after an N-token prompt of random ids, against `llama-bench -p 0 -n TOKENS -d N` (decode
+  after N tokens in llama.cpp's cache, its default f16 one: a long chat's turn);
 - time to first token of one `--prompt`-token prompt, against llama.cpp's time to process a
   prompt of the same length (`llama-bench -p PROMPT -n 0`, which samples nothing).
 
@@ -26,21 +28,30 @@ from pathlib import Path
 from statistics import mean
 
 
-def llama_bench(binary_dir: str, gguf: str, threads: int, prompt: int, tokens: int, repeat: int) -> dict[str, float]:
+def llama_bench_commands(binary: str, gguf: str, threads: int, prompt: int, tokens: int, repeat: int,
+                         depth: int = 0) -> dict[str, list[str]]:
+    """The `llama-bench` command lines for decode (`tg`, after `depth` tokens) and prompt processing (`pp`)."""
+    common = ["-t", str(threads), "-r", str(repeat), "-o", "json"]
+    tg = [binary, "-m", gguf, "-p", "0", "-n", str(tokens)] + (["-d", str(depth)] if depth else []) + common
+    return {"tg": tg, "pp": [binary, "-m", gguf, "-p", str(prompt), "-n", "0"] + common}
+
+
+def llama_bench(binary_dir: str, gguf: str, threads: int, prompt: int, tokens: int, repeat: int,
+                depth: int = 0) -> dict[str, float]:
     """llama.cpp's mean tok/s for decode (`tg`) and prompt processing (`pp`)."""
     binary = Path(binary_dir) / "llama-bench"
     if not binary.exists():
         raise SystemExit(f"no llama-bench in {binary_dir}")
     figures = {}
-    for key, p, n in (("tg", 0, tokens), ("pp", prompt, 0)):
-        out = subprocess.run([str(binary), "-m", gguf, "-p", str(p), "-n", str(n), "-t", str(threads),
-                              "-r", str(repeat), "-o", "json"], check=True, capture_output=True, text=True).stdout
+    for key, command in llama_bench_commands(str(binary), gguf, threads, prompt, tokens, repeat, depth).items():
+        out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
         figures[key] = float(json.loads(out)[0]["avg_ts"])
     return figures
 
 
 def measure_pagedserve(model: str, threads: int, prompt: int, tokens: int, repeat: int, eager: bool,
-                       quantization: str | None = None, quantize_lm_head: bool = False) -> dict[str, float]:
+                       quantization: str | None = None, quantize_lm_head: bool = False,
+                       depth: int = 0) -> dict[str, float]:
     """Mean batch-1 decode tok/s and TTFT (seconds) of the in-process engine."""
     import torch
 
@@ -56,9 +67,10 @@ def measure_pagedserve(model: str, threads: int, prompt: int, tokens: int, repea
     llm.generate([[11] * prompt], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     decode, ttft = [], []
     for i in range(repeat):
-        engine.add_request(f"decode-{i}", [int(torch.randint(100, vocab - 100, (1,), generator=generator))],
-                           SamplingParams(max_tokens=tokens + 1, temperature=0.0, ignore_eos=True))
-        engine.step()  # the one-token prompt and the first token
+        ids = torch.randint(100, vocab - 100, (max(depth, 1),), generator=generator).tolist()
+        engine.add_request(f"decode-{i}", ids, SamplingParams(max_tokens=tokens + 1, temperature=0.0, ignore_eos=True))
+        while not any(d.deltas and d.deltas[0].token_ids for d in engine.step()):
+            pass  # the prompt (in chunks beyond a step's budget) and the first token
         started = time.perf_counter()
         while engine.has_unfinished_requests():
             engine.step()
@@ -79,14 +91,14 @@ def run(args: argparse.Namespace) -> int:
         if not args.gguf:
             raise SystemExit("--llama-cpp needs --gguf (the same model, f32; a comma list runs each)")
         for gguf in args.gguf.split(","):
-            figures = llama_bench(args.llama_cpp, gguf, args.threads, args.prompt, args.tokens, args.repeat)
-            peers.append((f"llama.cpp {Path(gguf).stem[-12:]}", figures))
+            figures = llama_bench(args.llama_cpp, gguf, args.threads, args.prompt, args.tokens, args.repeat, args.depth)
+            peers.append((f"llama.cpp {Path(gguf).stem[-24:]}", figures))
     rows = []
     quantizations: list[str | None] = [None] + ([args.quantization] if args.quantization else [])
     for quantization in quantizations:
         for eager in (False, True):
             figures = measure_pagedserve(args.model, args.threads, args.prompt, args.tokens, args.repeat, eager,
-                                         quantization, args.quantize_lm_head)
+                                         quantization, args.quantize_lm_head, args.depth)
             name = "pagedserve" + (f" {quantization}" if quantization else "") + (
                 "+head" if quantization and args.quantize_lm_head else "") + (" --enforce-eager" if eager else "")
             rows.append((name, figures["decode_tok_s"], figures["ttft_s"]))
@@ -99,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
 
     print(f"model={args.model} float32 activations threads={args.threads} torch={torch.__version__} "
           f"cpu_march={build_arch()} "
-          f"decode: {args.tokens} tokens after a 1-token prompt; TTFT: {args.prompt}-token prompt; "
+          f"decode: {args.tokens} tokens after a {max(args.depth, 1)}-token prompt; TTFT: {args.prompt}-token prompt; "
           f"mean of {args.repeat}")
     first = peers[0][0] if peers else "llama.cpp"
     print(f"{'system':36} {'decode tok/s':>13} {'ms/token':>9} {'x ' + first:>24} {'x ours f32':>11} "

@@ -96,6 +96,8 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:
     latency.add_argument("--threads", type=int, default=2)
     latency.add_argument("--tokens", type=int, default=64, help="decode tokens (llama-bench -n)")
     latency.add_argument("--prompt", type=int, default=128, help="prompt tokens for TTFT (llama-bench -p)")
+    latency.add_argument("--depth", type=int, default=0,
+                         help="decode after a prompt of this many tokens (llama-bench -d); 0: a 1-token prompt")
     latency.add_argument("--repeat", type=int, default=3)
     latency.add_argument("--llama-cpp", default=None, metavar="DIR", help="folder with llama.cpp's llama-bench")
     latency.add_argument("--gguf", default=None,
