@@ -69,8 +69,12 @@ def measure_pagedserve(model: str, threads: int, prompt: int, tokens: int, repea
     for i in range(repeat):
         ids = torch.randint(100, vocab - 100, (max(depth, 1),), generator=generator).tolist()
         engine.add_request(f"decode-{i}", ids, SamplingParams(max_tokens=tokens + 1, temperature=0.0, ignore_eos=True))
-        while not any(d.deltas and d.deltas[0].token_ids for d in engine.step()):
-            pass  # the prompt (in chunks beyond a step's budget) and the first token
+        first_token = False
+        while not first_token:  # the prompt (in chunks beyond a step's budget) and the first token
+            for d in engine.step():
+                if d.error:
+                    raise SystemExit(f"the decode request failed: {d.error}")
+                first_token = first_token or bool(d.deltas and d.deltas[0].token_ids)
         started = time.perf_counter()
         while engine.has_unfinished_requests():
             engine.step()

@@ -333,16 +333,19 @@ void attend_block_avx512(const float* qf, const float* kp, const float* vp, int6
 // so at batch 1 on 2 threads one thread read two heads while the other read one, and on 16
 // cores 13 sat idle; partitions give a long context more tasks than threads.
 constexpr int64_t kPartitionTokens = 256;
-inline int64_t partition_blocks(int64_t block_size) { return std::max<int64_t>(1, kPartitionTokens / block_size); }
+// The tokens of one partition: whole blocks, at least one.
+inline int64_t partition_tokens(int64_t block_size) {
+  return std::max<int64_t>(1, kPartitionTokens / block_size) * block_size;
+}
 inline int64_t num_partitions(int64_t len, int64_t block_size) {
-  const int64_t per = partition_blocks(block_size) * block_size;
+  const int64_t per = partition_tokens(block_size);
   return len <= per ? 1 : (len + per - 1) / per;
 }
 
 // out[g, :] for the query heads g < group of one (sequence, KV head) from its `parts`
 // partitions' maxima m[part][g], sums l[part][g] and unnormalized outputs acc[part][g][head_dim]
-// (`part_stride` floats between partitions in each): the partitions rescaled to the largest
-// maximum and added in order, then normalized.
+// (m_stride floats between partitions in m and l, acc_stride in acc): the partitions rescaled to
+// the largest maximum and added in order, then normalized.
 template <typename T>
 void merge_partitions(const float* m, const float* l, const float* acc, int64_t parts, int64_t group,
                       int64_t head_dim, int64_t m_stride, int64_t acc_stride, T* out) {
@@ -370,7 +373,7 @@ void merge_partitions(const float* m, const float* l, const float* acc, int64_t 
 
 #if defined(__AVX2__) && defined(__FMA__)
 // From this many sequences per thread a float32 decode on the vector path runs one task per
-// sequence (decode_by_sequence) instead of one per (sequence, KV head).
+// sequence (decode_by_sequence) instead of one per (sequence, KV head, partition).
 constexpr int64_t kSequenceTasksPerThread = 4;
 
 // The vector path with one task per sequence, for batches: a block's rows hold every KV head, so
@@ -418,7 +421,7 @@ void decode_by_sequence(VectorBlockFn vector_block, const float* q, const float*
     // the finished partitions of a long context: maxima and sums [part][num_heads], outputs
     // [part][num_heads][head_dim] (merge_partitions)
     std::vector<float> part_m, part_l, part_acc;
-    const int64_t per_part = partition_blocks(block_size) * block_size;
+    const int64_t per_part = partition_tokens(block_size);
     prefetch_ahead();
     for (int64_t s = begin; s < end; ++s) {
       const int64_t len = seq_lens[s], parts = num_partitions(len, block_size);
@@ -499,7 +502,7 @@ void decode_attention(const T* q, const C* k_cache, const C* v_cache, const int3
   // the work units: (sequence, partition), a sequence's partitions in order; a task is a unit's
   // KV head. Partials of the sequences of several partitions, per unit: maxima and sums
   // [num_heads], outputs [num_heads][head_dim] (merge_partitions, after the tasks).
-  const int64_t per_part = partition_blocks(block_size) * block_size;
+  const int64_t per_part = partition_tokens(block_size);
   std::vector<int64_t> unit_seq, first_unit(num_seqs + 1);
   unit_seq.reserve(num_seqs);
   for (int64_t s = 0; s < num_seqs; ++s) {
