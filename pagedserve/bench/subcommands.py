@@ -52,7 +52,8 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:
                          help="KV cache element type (int8: rows with a float32 scale; fp8_e4m3: CUDA only)")
     offline.add_argument("--speculative-method", default=None, help="speculative decoding: a proposer (ngram, draft)")
     offline.add_argument("--speculative-model", default=None, help="with --speculative-method draft: the draft model")
-    offline.add_argument("--num-speculative-tokens", type=int, default=4)
+    offline.add_argument("--num-speculative-tokens", type=int, default=None,
+                         help="drafts per sequence and step, at most (default: the method's; ngram 8)")
     offline.add_argument("--prompt-lookup-max", type=int, default=4)
     offline.add_argument("--prompt-lookup-min", type=int, default=2)
     offline.add_argument("--speculative-max-batch", type=int, default=None,

@@ -1,7 +1,7 @@
 """EngineConfig, everything that shapes one worker's engine (from keyword arguments, or flags
 and `PAGEDSERVE_*` variables through options.py), and its defaults and choices: the default
 model, the step token budget, the KV cache dtypes, the installed quantization methods and
-proposers, the speculative decoding keys."""
+proposers, and how many drafts each proposer makes by default."""
 
 from __future__ import annotations
 
@@ -55,27 +55,12 @@ def proposer_methods() -> list[str]:
 
 #: the most drafts a sequence may verify in one step
 MAX_SPECULATIVE_TOKENS = 16
-
-#: `LLM(speculative={...})` keys → EngineConfig fields
-SPECULATIVE_KEYS = {
-    "method": "speculative_method",
-    "num_speculative_tokens": "num_speculative_tokens",
-    "prompt_lookup_max": "prompt_lookup_max",
-    "prompt_lookup_min": "prompt_lookup_min",
-    "max_batch": "speculative_max_batch",
-    "min_acceptance": "speculative_min_acceptance",
-    "pause_steps": "speculative_pause_steps",
-    "model": "speculative_model",
-    "kv_memory": "speculative_kv_memory",
-}
-
-
-def speculative_options(settings: dict) -> dict:
-    """EngineConfig fields from a vLLM-style `speculative` dict (`{"method": "ngram", ...}`)."""
-    unknown = sorted(set(settings) - set(SPECULATIVE_KEYS))
-    if unknown:
-        raise InvalidParameterError("speculative", f"unknown keys {unknown}; known: {sorted(SPECULATIVE_KEYS)}")
-    return {SPECULATIVE_KEYS[key]: value for key, value in settings.items()}
+#: drafts per sequence and step when num_speculative_tokens is not given, by method (others:
+#: 4). Prompt lookup's cost little to verify at small batches on CPU: 8 against 4 ran `grounded`
+#: 4-8% faster at batch 1 and 1% slower at batch 4 (docs/performance-history.md); a draft
+#: model's cost one of its forward passes each
+METHOD_SPECULATIVE_TOKENS = {"ngram": 8}
+DEFAULT_SPECULATIVE_TOKENS = 4
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):
@@ -161,7 +146,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     #: speculative decoding: an entry point in pagedserve.proposers (ngram: prompt lookup;
     #: draft: a smaller model). None: off. Drafts are verified in one step; the output is exactly the target's
     speculative_method: str | None = None
-    num_speculative_tokens: int = 4  # drafts proposed per sequence and step, at most
+    #: drafts proposed per sequence and step, at most (None: the method's, `speculative_tokens()`)
+    num_speculative_tokens: int | None = None
     prompt_lookup_max: int = 4  # ngram: the longest suffix n-gram looked up in the sequence
     prompt_lookup_min: int = 2  # ngram: the shortest
     #: no drafts in a step where more sequences than this run (their verification costs
@@ -199,6 +185,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     #: host (engine/shm_all_reduce.py), `gloo` over loopback TCP, `auto` shm where the CPU
     #: kernels build, else gloo. CUDA ranks on GPUs of their own use NCCL whatever this says
     tensor_parallel_all_reduce: str = "auto"
+
+    def speculative_tokens(self) -> int:
+        """Drafts per sequence and step, at most: the number given, else the method's default."""
+        if self.num_speculative_tokens is not None:
+            return self.num_speculative_tokens
+        return METHOD_SPECULATIVE_TOKENS.get(self.speculative_method or "", DEFAULT_SPECULATIVE_TOKENS)
 
     def token_budget(self, device_type: str = "cpu", num_threads: int | None = None) -> int:
         """The step token budget: the one given, else the device type's default (on CPU, at
@@ -252,7 +244,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                                             "speculative={'method': 'draft', 'model': PATH} or --speculative-model")
         if self.speculative_kv_memory <= 0:
             raise InvalidParameterError("speculative_kv_memory", "must be > 0 bytes")
-        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+        if not 1 <= self.speculative_tokens() <= MAX_SPECULATIVE_TOKENS:
             raise InvalidParameterError("num_speculative_tokens", f"must be in [1, {MAX_SPECULATIVE_TOKENS}]")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise InvalidParameterError("prompt_lookup_min", "must be >= 1 and <= prompt_lookup_max")

@@ -74,7 +74,8 @@ class StructuredOutputManager:
         self.device = device
         self.jump_forward = config.structured_output_jump_forward
         #: bitmask rows: every sampled row of a full batch, verification rows included
-        self.max_rows = config.max_num_seqs * (1 + config.num_speculative_tokens)
+        drafts = config.speculative_tokens() if config.speculative_method else 0
+        self.max_rows = config.max_num_seqs * (1 + drafts)
         self.counters = StructuredOutputCounters()
         self.states: dict[str, GrammarState] = {}  # sequence id → its matcher (grammar ready)
         self._backend: StructuredOutputBackend | None = None

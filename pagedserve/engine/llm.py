@@ -7,7 +7,7 @@ import numbers
 from collections.abc import Sequence
 from typing import Any, cast
 
-from pagedserve.common.engine_config import DEFAULT_MODEL, EngineConfig, speculative_options
+from pagedserve.common.engine_config import DEFAULT_MODEL, EngineConfig
 from pagedserve.common.errors import InvalidParameterError
 from pagedserve.common.outputs import RequestOutput
 from pagedserve.common.sampling_params import SamplingParams
@@ -15,6 +15,27 @@ from pagedserve.engine.engine import Engine
 
 Prompt = str | list[int]
 Message = dict[str, str]
+
+#: `LLM(speculative={...})` keys → EngineConfig fields
+SPECULATIVE_KEYS = {
+    "method": "speculative_method",
+    "num_speculative_tokens": "num_speculative_tokens",
+    "prompt_lookup_max": "prompt_lookup_max",
+    "prompt_lookup_min": "prompt_lookup_min",
+    "max_batch": "speculative_max_batch",
+    "min_acceptance": "speculative_min_acceptance",
+    "pause_steps": "speculative_pause_steps",
+    "model": "speculative_model",
+    "kv_memory": "speculative_kv_memory",
+}
+
+
+def speculative_options(settings: dict) -> dict:
+    """EngineConfig fields from a vLLM-style `speculative` dict (`{"method": "ngram", ...}`)."""
+    unknown = sorted(set(settings) - set(SPECULATIVE_KEYS))
+    if unknown:
+        raise InvalidParameterError("speculative", f"unknown keys {unknown}; known: {sorted(SPECULATIVE_KEYS)}")
+    return {SPECULATIVE_KEYS[key]: value for key, value in settings.items()}
 
 
 class LLM:
@@ -26,7 +47,7 @@ class LLM:
 
     def __init__(self, model: str = DEFAULT_MODEL, speculative: dict | None = None, **engine_options):
         """`engine_options` are EngineConfig fields; `speculative` ({"method": "ngram",
-        "num_speculative_tokens": 4, "prompt_lookup_max": 4, ...}) sets its speculative_* fields."""
+        "num_speculative_tokens": 8, "prompt_lookup_max": 4, ...}) sets its speculative_* fields."""
         if speculative:
             engine_options.update(speculative_options(speculative))
         self.engine = Engine(EngineConfig(model=model, **engine_options))

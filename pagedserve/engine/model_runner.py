@@ -112,8 +112,8 @@ class ModelRunner:
             self.enable_decode_graphs(min(config.cuda_graph_max_batch, config.max_num_seqs), max_len)
         # only with the C++ attention backend: one who chose `torch` or `triton` gets those in every step
         if self.attention_backend.name == "cpu" and config.fused_decode_max_batch > 0 and not config.enforce_eager:
-            # a speculative step verifies up to num_speculative_tokens drafts per sequence, a row each
-            query_len = 1 + config.num_speculative_tokens if config.speculative_method else 1
+            # a speculative step verifies up to speculative_tokens() drafts per sequence, a row each
+            query_len = 1 + config.speculative_tokens() if config.speculative_method else 1
             self.enable_fused_decode(min(config.fused_decode_max_batch, config.max_num_seqs * query_len),
                                      config.fused_decode_blas_rows, query_len)
 

@@ -110,7 +110,7 @@ class Speculator:
     def __init__(self, config: EngineConfig, proposer: ProposerPlugin, name: str):
         self.proposer = proposer
         self.name = name  # the proposer's plugin name, for the counters
-        self.num_tokens = config.num_speculative_tokens
+        self.num_tokens = config.speculative_tokens()
         self.max_batch = config.speculative_max_batch
         self.min_acceptance = config.speculative_min_acceptance
         self.pause_steps = config.speculative_pause_steps

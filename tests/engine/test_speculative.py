@@ -16,6 +16,7 @@ import torch
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.common.contracts import ProposerPlugin
+from pagedserve.common.engine_config import EngineConfig
 from pagedserve.common.errors import InvalidParameterError
 from pagedserve.engine.sampling_inputs import position_seed
 from pagedserve.engine.speculator import verify
@@ -139,7 +140,7 @@ def test_greedy_ids_identical_to_no_speculation(tiny_checkpoint, fused):
     assert 0 < counters.num_accepted < counters.num_drafts  # drafts were both accepted and rejected
     assert spec.engine.scheduler.num_preemptions > 0 and plain.engine.scheduler.num_preemptions > 0
     if fused:  # verification steps ran in the fused step, each draft a row
-        assert spec.engine.runner.fused_decoder.max_query_len == 1 + spec.engine.config.num_speculative_tokens
+        assert spec.engine.runner.fused_decoder.max_query_len == 1 + spec.engine.config.speculative_tokens()
         assert max(fused_query_lens) > 1  # (steps of more than 16 rows, max_batch, ran eagerly)
 
 
@@ -279,6 +280,16 @@ def test_adaptivity_pauses_rejected_drafts_and_large_batches(tiny_checkpoint):
     small = LLM(str(model), kv_cache_memory=1 << 24, speculative={"method": "ngram", "max_batch": 2})
     small.generate(prompts[:8], params)
     assert small.engine.speculator.counters.num_steps_off > 0
+    # ngram's default: 8 drafts a sequence, so the fused step takes 9 rows of one sequence
+    assert small.engine.speculator.num_tokens == 8
+    assert small.engine.runner.fused_decoder.max_query_len == 9
+
+
+def test_drafts_per_step_default_to_the_method():
+    assert EngineConfig(speculative_method="ngram").speculative_tokens() == 8
+    assert EngineConfig(speculative_method="draft", speculative_model="m").speculative_tokens() == 4
+    assert EngineConfig(speculative_method="ngram", num_speculative_tokens=3).speculative_tokens() == 3
+    assert EngineConfig().speculative_tokens() == 4  # and any method without an entry of its own
 
 
 def test_speculative_settings_are_checked():
