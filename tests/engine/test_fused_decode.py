@@ -153,4 +153,5 @@ def test_the_fused_step_takes_every_default_batch_in_float32_and_packed_int8_and
     int8 = LLM(model_dir, kv_cache_memory=1 << 22, quantization="int8", pack_cpu_weights=False).engine.runner
     assert int8.fused_decoder.max_batch == 16 and int8.fused_decoder.max_query_len == 1
     spec = LLM(model_dir, kv_cache_memory=1 << 22, max_num_seqs=2, speculative={"method": "ngram"})
-    assert (spec.engine.runner.fused_decoder.max_batch, spec.engine.runner.fused_decoder.max_query_len) == (10, 5)
+    # ngram's default of 8 drafts: 9 rows a sequence, 2 sequences
+    assert (spec.engine.runner.fused_decoder.max_batch, spec.engine.runner.fused_decoder.max_query_len) == (18, 9)
