@@ -11,9 +11,11 @@ and the attention's share of the step.
 
 The FMA peak is computed, not measured: threads × the cores' clock (the highest "cpu MHz" in
 /proc/cpuinfo, which reads the current clock, not the boost) × float32 FLOP per cycle: 32 for
-AVX2 + FMA (two 256-bit FMA pipes, 8 lanes, 2 FLOP) and for AMD's AVX-512 (Zen 4 runs a 512-bit
-FMA on both pipes), 64 for an Intel core with AVX-512 (two 512-bit FMA units assumed). A core that
-boosts above the reported clock can exceed it.
+AVX2 + FMA (two 256-bit FMA pipes, 8 lanes, 2 FLOP) and for AMD's AVX-512 up to Zen 4 (family
+25, which runs a 512-bit FMA on both 256-bit pipes), 64 for an Intel core with AVX-512 (two
+512-bit FMA units assumed) and for AMD family 26 and later (Zen 5: two 512-bit FMA pipes on the
+EPYC and desktop parts; its laptop parts split them in two, and `--flop-per-cycle 32` says so).
+A core that boosts above the reported clock can exceed it.
 """
 
 from __future__ import annotations
@@ -25,14 +27,21 @@ from pathlib import Path
 from statistics import median
 
 
-def fma_peak(threads: int) -> tuple[float, str]:
-    """(GFLOP/s, how it was computed) of `threads` cores in float32 FMAs."""
-    info = Path("/proc/cpuinfo").read_text()
+def fma_peak(threads: int, info: str | None = None, per_cycle: int | None = None) -> tuple[float, str]:
+    """(GFLOP/s, how it was computed) of `threads` cores in float32 FMAs, from `info` (the text
+    of /proc/cpuinfo, read when None); `per_cycle` overrides the FLOP a cycle the flags imply."""
+    if info is None:
+        info = Path("/proc/cpuinfo").read_text()
     mhz = max((float(v) for v in re.findall(r"^cpu MHz\s*:\s*([\d.]+)", info, re.M)), default=0.0)
-    flags = set(re.search(r"^flags\s*:(.*)$", info, re.M).group(1).split()) if "flags" in info else set()
+    found = re.search(r"^flags\s*:(.*)$", info, re.M)
+    flags = set(found.group(1).split()) if found else set()
+    family = re.search(r"^cpu family\s*:\s*(\d+)", info, re.M)
     amd = "AuthenticAMD" in info
-    per_cycle = 64 if "avx512f" in flags and not amd else 32 if "fma" in flags else 8
-    how = f"{threads} threads x {mhz:.0f} MHz x {per_cycle} FLOP/cycle ({'AMD' if amd else 'Intel'}, " \
+    full_width = not amd or (family is not None and int(family.group(1)) >= 26)  # two 512-bit FMA pipes
+    if per_cycle is None:
+        per_cycle = (64 if full_width else 32) if "avx512f" in flags else 32 if "fma" in flags else 8
+    how = f"{threads} threads x {mhz:.0f} MHz x {per_cycle} FLOP/cycle ({'AMD' if amd else 'Intel'}" \
+          f"{f' family {family.group(1)}' if amd and family else ''}, " \
           f"{'avx512f' if 'avx512f' in flags else 'avx2+fma' if 'fma' in flags else 'no fma'})"
     return threads * mhz * 1e6 * per_cycle / 1e9, how
 
@@ -43,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lengths", default="512,2048")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--flop-per-cycle", type=int, default=None,
+                        help="float32 FLOP a core does a cycle, instead of what the CPU's flags imply")
     parser.add_argument("--no-pack-cpu-weights", action="store_true",
                         help="torch's BLAS on the [out, in] weights instead of the packed product (the default)")
     args = parser.parse_args(argv)
@@ -62,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     head = getattr(model, "lm_head", None)
     linear_params = sum(m.in_features * m.out_features for m in model.modules()
                         if isinstance(m, (torch.nn.Linear, PackedLinear)) and m is not head)
-    peak, how = fma_peak(args.threads)
+    peak, how = fma_peak(args.threads, per_cycle=args.flop_per_cycle)
     vocab = engine.hf_config.vocab_size
     generator = torch.Generator().manual_seed(0)
     print(f"{args.model}: {linear_params / 1e6:.1f} M weights in the decoder's linear layers; threads={args.threads} "
