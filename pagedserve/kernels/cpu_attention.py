@@ -51,7 +51,7 @@ _SOURCES = [_CSRC / "cpu_module.cpp", _CSRC / "cpu_paged_attention.cpp", _CSRC /
 #: against 6.0-7.2 ms with the estimate (Intel Xeon, AVX-512, loaded; alternated processes).
 _CFLAGS = ["-O3", "-fopenmp", "-ffast-math", "-mno-recip"]
 #: the headers the sources include: part of the build's key, not compiled on their own
-_HEADERS = [_CSRC / "cpu_build_isa.h"]
+_HEADERS = [_CSRC / "cpu_build_isa.h", _CSRC / "cpu_balanced_for.h"]
 #: the environment variable that names the compiler's -march target instead of `native`, e.g.
 #: `x86-64-v3` (AVX2, FMA, F16C: no AVX-512 and no VNNI anywhere, whatever this CPU has; the
 #: run-time kernel choices stop at the build's sets too, csrc/cpu_build_isa.h)

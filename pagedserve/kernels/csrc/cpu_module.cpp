@@ -4,6 +4,7 @@
 // packed weights (cpu_packed_gemm.cpp) and the tensor-parallel
 // ranks' shared-memory counters (cpu_shm_sync.cpp).
 #include <torch/extension.h>
+#include "cpu_balanced_for.h"
 
 #include <string>
 #include <vector>
@@ -64,6 +65,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("head_dim"), pybind11::arg("group"));
   m.def("paged_prefill_attention", &paged_prefill_attention,
         "prefill chunks' attention over a paged float32 KV cache holding their K/V (CPU), into out");
+  m.def("set_balanced_threads", [](bool on) { return pagedserve_balanced::enabled.exchange(on); },
+        "whether a thread done with its share of a product's tiles or a decode batch's sequences takes the "
+        "others' (the default) or waits (the static split); returns the old value. The same bits either way",
+        pybind11::arg("on"));
   bind_cpu_decode(m);
   bind_cpu_int8_gemv(m);
   bind_cpu_int4_gemv(m);

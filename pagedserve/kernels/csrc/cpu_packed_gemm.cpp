@@ -26,11 +26,13 @@
 // Loops: the panels are split across torch's intra-op threads; each thread runs blocks of rows
 // (as many as keep the block of x in about 192 KB of L2) against each of its panels, so a
 // panel (in × 64 bytes) is read from memory once per row block and stays in L2 for every tile
-// of the block.
+// of the block. Where the rows are one block (every decode batch), a thread done with its
+// share of the tiles takes the others' (cpu_balanced_for.h).
 // Only ATen/Parallel.h of torch is included here: torch/extension.h alone costs about a
 // minute of compile time per file, and the workers build this at their first start. The torch
 // operators and Python bindings over these functions are in cpu_decode.cpp.
 #include <ATen/Parallel.h>
+#include "cpu_balanced_for.h"
 #include "cpu_build_isa.h"
 
 #include <algorithm>
@@ -260,35 +262,38 @@ void linear_rows_packed(const float* x, int64_t m, int64_t in, const float* pack
   const int64_t panel_stride = in * kPanel;
   const int64_t block_rows = std::max<int64_t>(tm, kBlockBytes / (in * 4) / tm * tm);
   const int64_t tiles = (panels + tp - 1) / tp;  // groups of tp panels, split across threads
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+  // tile t's outputs for rows [r0, r1); next_t: the tile the thread will likely run next (-1:
+  // none), asked for by the first tile of rows where the rows are one block of several tiles
+  auto run_tile = [&](int64_t t, int64_t r0, int64_t r1, int64_t next_t) {
     float c[kMaxMR * kMaxNP * kPanel];
     const int64_t ldc = tp * kPanel;
-    for (int64_t r0 = 0; r0 < m; r0 += block_rows) {
-      const int64_t r1 = std::min(m, r0 + block_rows);
-      for (int64_t t = begin; t < end; ++t) {
-        const int64_t p0 = t * tp;
-        const int np = static_cast<int>(std::min<int64_t>(tp, panels - p0));
-        const int64_t o0 = p0 * kPanel, on = std::min<int64_t>(np * kPanel, out - o0);
-        // the next tile of this thread, asked for by the block's first tile of rows where the
-        // block has more than one (NextTile above)
-        const int64_t next_np = t + 1 < end ? std::min<int64_t>(tp, panels - p0 - np) : 0;
-        const NextTile next{next_np > 0 ? packed + (p0 + np) * panel_stride : nullptr, next_np * in};
-        for (int64_t r = r0; r < r1; r += tm) {
-          const int mr = static_cast<int>(std::min<int64_t>(tm, r1 - r));
-          const bool ask = next.at != nullptr && r == r0 && r1 - r0 > tm && m <= block_rows;
-          pick(isa, mr, np, ask)(x + r * in, in, packed + p0 * panel_stride, in, panel_stride, next, c, ldc);
-          for (int i = 0; i < mr; ++i) {
-            float* yr = y + (r + i) * out + o0;
-            const float* cr = c + i * ldc;
-            if (bias) {
-              for (int64_t j = 0; j < on; ++j) yr[j] = cr[j] + bias[o0 + j];
-            } else {
-              std::memcpy(yr, cr, on * sizeof(float));
-            }
-          }
+    const int64_t p0 = t * tp;
+    const int np = static_cast<int>(std::min<int64_t>(tp, panels - p0));
+    const int64_t o0 = p0 * kPanel, on = std::min<int64_t>(np * kPanel, out - o0);
+    const int64_t next_np = next_t >= 0 ? std::min<int64_t>(tp, panels - next_t * tp) : 0;
+    const NextTile next{next_np > 0 ? packed + next_t * tp * panel_stride : nullptr, next_np * in};
+    for (int64_t r = r0; r < r1; r += tm) {
+      const int mr = static_cast<int>(std::min<int64_t>(tm, r1 - r));
+      const bool ask = next.at != nullptr && r == r0 && r1 - r0 > tm && m <= block_rows;
+      pick(isa, mr, np, ask)(x + r * in, in, packed + p0 * panel_stride, in, panel_stride, next, c, ldc);
+      for (int i = 0; i < mr; ++i) {
+        float* yr = y + (r + i) * out + o0;
+        const float* cr = c + i * ldc;
+        if (bias) {
+          for (int64_t j = 0; j < on; ++j) yr[j] = cr[j] + bias[o0 + j];
+        } else {
+          std::memcpy(yr, cr, on * sizeof(float));
         }
       }
     }
+  };
+  if (m <= block_rows) {  // one block of rows: its tiles balanced across the threads (cpu_balanced_for.h)
+    pagedserve_balanced::balanced_for(tiles, [&](int64_t t, int64_t next_t) { run_tile(t, 0, m, next_t); });
+    return;
+  }
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r0 = 0; r0 < m; r0 += block_rows)
+      for (int64_t t = begin; t < end; ++t) run_tile(t, r0, std::min(m, r0 + block_rows), t + 1 < end ? t + 1 : -1);
   });
 }
 

@@ -35,6 +35,7 @@
 //  - `scalar`: the same sums in plain C++ (other CPUs, and the reference in tests).
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
+#include "cpu_balanced_for.h"
 #include "cpu_build_isa.h"
 
 #include <algorithm>
@@ -743,7 +744,8 @@ Rows quantize(const float* x, int64_t m, int64_t in, int64_t kp) {
 // The loops of both weight kinds: the tiles of `tp` panels split across torch's intra-op
 // threads; each thread runs blocks of rows (as many as keep their quantized values in about
 // 128 KB of L2) against each of its tiles, so a tile's panels are read from memory once per
-// row block. tile(mr, r, p0, np, next_np, c, ldc) computes mr rows from r against np panels
+// row block (one block of rows, a decode batch: its tiles are balanced across the threads,
+// cpu_balanced_for.h). tile(mr, r, p0, np, next_np, c, ldc) computes mr rows from r against np panels
 // from p0; the thread's next tile, which the tile may prefetch, is the next_np panels from p0 + np
 // (0: none, at its last tile, or past the first rows of the row block, which asked already);
 // finish(j, o, acc) is output o's value from its accumulator; prepare(p0, np) runs in the
@@ -763,27 +765,31 @@ void run_tiles(const Rows& rows, int64_t m, int64_t out, int tm, int tp, const T
   }
   const int64_t block_rows = std::max<int64_t>(tm, kBlockBytes / rows.kp / tm * tm);
   const int64_t tiles = (panels + tp - 1) / tp;
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+  // tile t's outputs for rows [r0, r1); next_t: the tile the thread will likely run next (-1: none)
+  auto run_tile = [&](int64_t t, int64_t r0, int64_t r1, int64_t next_t) {
     float c[4 * 8 * kPanel];  // kMaxMR × kMaxNP × kPanel
     const int64_t ldc = tp * kPanel;
-    for (int64_t r0 = 0; r0 < m; r0 += block_rows) {
-      const int64_t r1 = std::min(m, r0 + block_rows);
-      for (int64_t t = begin; t < end; ++t) {
-        const int64_t p0 = t * tp;
-        const int np = static_cast<int>(std::min<int64_t>(tp, panels - p0));
-        const int64_t o0 = p0 * kPanel, on = std::min<int64_t>(np * kPanel, out - o0);
-        prepare(p0, np);
-        for (int64_t r = r0; r < r1; r += tm) {
-          const int mr = static_cast<int>(std::min<int64_t>(tm, r1 - r));
-          tile(mr, r, p0, np, r == r0 && t + 1 < end ? std::min<int64_t>(tp, panels - p0 - np) : 0, c, ldc);
-          for (int i = 0; i < mr; ++i) {
-            float* yr = y + (r + i) * out + o0;
-            const float* cr = c + i * ldc;
-            for (int64_t j = 0; j < on; ++j) yr[j] = finish(o0 + j, cr[j]);
-          }
-        }
+    const int64_t p0 = t * tp;
+    const int np = static_cast<int>(std::min<int64_t>(tp, panels - p0));
+    const int64_t o0 = p0 * kPanel, on = std::min<int64_t>(np * kPanel, out - o0);
+    prepare(p0, np);
+    for (int64_t r = r0; r < r1; r += tm) {
+      const int mr = static_cast<int>(std::min<int64_t>(tm, r1 - r));
+      tile(mr, r, p0, np, r == r0 && next_t >= 0 ? std::min<int64_t>(tp, panels - next_t * tp) : 0, c, ldc);
+      for (int i = 0; i < mr; ++i) {
+        float* yr = y + (r + i) * out + o0;
+        const float* cr = c + i * ldc;
+        for (int64_t j = 0; j < on; ++j) yr[j] = finish(o0 + j, cr[j]);
       }
     }
+  };
+  if (m <= block_rows) {  // one block of rows: its tiles balanced across the threads (cpu_balanced_for.h)
+    pagedserve_balanced::balanced_for(tiles, [&](int64_t t, int64_t next_t) { run_tile(t, 0, m, next_t); });
+    return;
+  }
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r0 = 0; r0 < m; r0 += block_rows)
+      for (int64_t t = begin; t < end; ++t) run_tile(t, r0, std::min(m, r0 + block_rows), t + 1 < end ? t + 1 : -1);
   });
 }
 

@@ -15,6 +15,7 @@
 // a block is widened to float32 once for every query head that shares it.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include "cpu_balanced_for.h"
 
 #include <algorithm>
 #include <atomic>
@@ -379,9 +380,11 @@ constexpr int64_t kSequenceTasksPerThread = 4;
 // The vector path with one task per sequence, for batches: a block's rows hold every KV head, so
 // a task that takes each block for all its KV heads reads the block's K and V as two contiguous
 // runs (block_size × KV heads × head_dim floats each), not KV-heads-many strided thirds, and
-// can ask for them ahead: a cursor runs one block ahead of the reads, across the sequences of
-// the thread's range, and prefetches that block's K and V into L2 (into L1 the current and the
-// next block would not fit: 2 × 12 KB each for the default model). Each head's online softmax
+// can ask for them ahead: each task prefetches the block after the one it reads, and at its
+// last block the first block of the thread's next sequence, into L2 (into L1 the current and
+// the next block would not fit: 2 × 12 KB each for the default model). The sequences are split
+// across the threads balanced (cpu_balanced_for.h): a batch's contexts differ in length, and a
+// thread done with its share takes sequences from the back of the other's. Each head's online softmax
 // sees its blocks in the same order as in decode_attention's per-head tasks: the same bits.
 // benchmarks/attention_cost.py (batch 64, context 160, 30 layers, 472 MB), 2 threads, AMD EPYC
 // Zen 4, alternated in one process, median of 12: 29.4 ms (16.0 GB/s, 0.52 of the read
@@ -393,75 +396,76 @@ void decode_by_sequence(VectorBlockFn vector_block, const float* q, const float*
                         int64_t max_blocks, float scale) {
   const int64_t group = num_heads / num_kv_heads, token_stride = num_kv_heads * head_dim;
   const int64_t block_stride = block_size * token_stride, padded = (block_size + 15) / 16 * 16;
-  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(num_heads * head_dim), acc(num_heads * head_dim), probs(group * padded), mx(num_heads),
-        sum(num_heads);
-    int64_t ahead_seq = begin, ahead_block = 0;  // the cursor: the next block to prefetch
-    auto prefetch_ahead = [&]() {
-      while (ahead_seq < end && seq_lens[ahead_seq] <= 0) ++ahead_seq;  // no blocks to read
-      if (ahead_seq >= end) return;
-      const int64_t len = seq_lens[ahead_seq], first = ahead_block * block_size;
-      if (first < len) {
-        const int64_t at = block_tables[ahead_seq * max_blocks + ahead_block] * block_stride;
-        const int64_t bytes = std::min(block_size, len - first) * token_stride * static_cast<int64_t>(sizeof(float));
-        const char* kp = reinterpret_cast<const char*>(k_cache + at);
-        const char* vp = reinterpret_cast<const char*>(v_cache + at);
-        for (int64_t b = 0; b < bytes; b += 64) {
-          _mm_prefetch(kp + b, _MM_HINT_T1);
-          _mm_prefetch(vp + b, _MM_HINT_T1);
-        }
-      }
-      if (first + block_size >= len) {
-        ++ahead_seq;
-        ahead_block = 0;
-      } else {
-        ++ahead_block;
-      }
-    };
+  const int64_t per_part = partition_tokens(block_size);
+  // block j of sequence s (every KV head) into L2, if the sequence has it
+  auto prefetch = [&](int64_t s, int64_t j) {
+    const int64_t len = seq_lens[s], first = j * block_size;
+    if (first >= len) return;
+    const int64_t at = block_tables[s * max_blocks + j] * block_stride;
+    const int64_t bytes = std::min(block_size, len - first) * token_stride * static_cast<int64_t>(sizeof(float));
+    const char* kp = reinterpret_cast<const char*>(k_cache + at);
+    const char* vp = reinterpret_cast<const char*>(v_cache + at);
+    for (int64_t b = 0; b < bytes; b += 64) {
+      _mm_prefetch(kp + b, _MM_HINT_T1);
+      _mm_prefetch(vp + b, _MM_HINT_T1);
+    }
+  };
+  // a sequence a task, balanced across the threads (cpu_balanced_for.h); each task asks for
+  // its next block while it works on one, and at its last block for the first block of the
+  // sequence the thread will likely take next
+  pagedserve_balanced::balanced_for(num_seqs, [&](int64_t s, int64_t next_s) {
+    thread_local std::vector<float> qf, acc, probs, mx, sum, part_m, part_l, part_acc;
+    thread_local int64_t asked_seq = -1;  // the sequence whose first block this thread asked for last
+    qf.resize(num_heads * head_dim);
+    acc.resize(num_heads * head_dim);
+    probs.resize(group * padded);
+    mx.resize(num_heads);
+    sum.resize(num_heads);
+    const int64_t len = seq_lens[s], parts = num_partitions(len, block_size);
+    if (asked_seq != s) prefetch(s, 0);
     // the finished partitions of a long context: maxima and sums [part][num_heads], outputs
     // [part][num_heads][head_dim] (merge_partitions)
-    std::vector<float> part_m, part_l, part_acc;
-    const int64_t per_part = partition_tokens(block_size);
-    prefetch_ahead();
-    for (int64_t s = begin; s < end; ++s) {
-      const int64_t len = seq_lens[s], parts = num_partitions(len, block_size);
-      if (parts > 1) {
-        part_m.resize(parts * num_heads);
-        part_l.resize(parts * num_heads);
-        part_acc.resize(parts * num_heads * head_dim);
-      }
-      for (int64_t i = 0; i < num_heads * head_dim; ++i) qf[i] = q[s * num_heads * head_dim + i] * scale;
-      for (int64_t part = 0; part < parts; ++part) {
-        std::fill(acc.begin(), acc.end(), 0.f);
-        std::fill(sum.begin(), sum.end(), 0.f);
-        const int64_t part_end = std::min(len, (part + 1) * per_part);
-        for (int64_t start = part * per_part; start < part_end; start += block_size) {
-          prefetch_ahead();
-          const int64_t at = block_tables[s * max_blocks + start / block_size] * block_stride;
-          for (int64_t h = 0; h < num_kv_heads; ++h)
-            vector_block(qf.data() + h * group * head_dim, k_cache + at + h * head_dim, v_cache + at + h * head_dim,
-                         token_stride, std::min(block_size, part_end - start), start == part * per_part, group, padded,
-                         probs.data(), acc.data() + h * group * head_dim, mx.data() + h * group, sum.data() + h * group);
+    if (parts > 1) {
+      part_m.resize(parts * num_heads);
+      part_l.resize(parts * num_heads);
+      part_acc.resize(parts * num_heads * head_dim);
+    }
+    for (int64_t i = 0; i < num_heads * head_dim; ++i) qf[i] = q[s * num_heads * head_dim + i] * scale;
+    for (int64_t part = 0; part < parts; ++part) {
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(sum.begin(), sum.end(), 0.f);
+      const int64_t part_end = std::min(len, (part + 1) * per_part);
+      for (int64_t start = part * per_part; start < part_end; start += block_size) {
+        if (start + block_size < len) {
+          prefetch(s, start / block_size + 1);
+        } else if (next_s >= 0) {
+          prefetch(next_s, 0);
+          asked_seq = next_s;
         }
-        if (parts > 1) {
-          std::copy(mx.begin(), mx.end(), part_m.begin() + part * num_heads);
-          std::copy(sum.begin(), sum.end(), part_l.begin() + part * num_heads);
-          std::copy(acc.begin(), acc.end(), part_acc.begin() + part * num_heads * head_dim);
-        }
-      }
-      if (parts > 1) {
-        // each KV head's query heads, as decode_attention's tasks merge them
+        const int64_t at = block_tables[s * max_blocks + start / block_size] * block_stride;
         for (int64_t h = 0; h < num_kv_heads; ++h)
-          merge_partitions(part_m.data() + h * group, part_l.data() + h * group,
-                           part_acc.data() + h * group * head_dim, parts, group, head_dim, num_heads,
-                           num_heads * head_dim, out + (s * num_heads + h * group) * head_dim);
-        continue;
+          vector_block(qf.data() + h * group * head_dim, k_cache + at + h * head_dim, v_cache + at + h * head_dim,
+                       token_stride, std::min(block_size, part_end - start), start == part * per_part, group, padded,
+                       probs.data(), acc.data() + h * group * head_dim, mx.data() + h * group, sum.data() + h * group);
       }
-      for (int64_t g = 0; g < num_heads; ++g) {
-        float* op = out + (s * num_heads + g) * head_dim;
-        const float inv = len > 0 ? 1.f / sum[g] : 0.f;
-        for (int64_t i = 0; i < head_dim; ++i) op[i] = acc[g * head_dim + i] * inv;
+      if (parts > 1) {
+        std::copy(mx.begin(), mx.end(), part_m.begin() + part * num_heads);
+        std::copy(sum.begin(), sum.end(), part_l.begin() + part * num_heads);
+        std::copy(acc.begin(), acc.end(), part_acc.begin() + part * num_heads * head_dim);
       }
+    }
+    if (parts > 1) {
+      // each KV head's query heads, as decode_attention's tasks merge them
+      for (int64_t h = 0; h < num_kv_heads; ++h)
+        merge_partitions(part_m.data() + h * group, part_l.data() + h * group, part_acc.data() + h * group * head_dim,
+                         parts, group, head_dim, num_heads, num_heads * head_dim,
+                         out + (s * num_heads + h * group) * head_dim);
+      return;
+    }
+    for (int64_t g = 0; g < num_heads; ++g) {
+      float* op = out + (s * num_heads + g) * head_dim;
+      const float inv = len > 0 ? 1.f / sum[g] : 0.f;
+      for (int64_t i = 0; i < head_dim; ++i) op[i] = acc[g * head_dim + i] * inv;
     }
   });
 }
