@@ -78,4 +78,21 @@ void balanced_for(int64_t n, const Work& work) {
   });
 }
 
+// The loops of the packed products (cpu_packed_gemm.cpp, cpu_packed_int8.cpp): run_tile(t, r0,
+// r1, next_t) for every tile t of weight panels and every block of rows [r0, r1) of `block_rows`.
+// Rows of one block (a decode batch): the tiles balanced (balanced_for). More (prefill): each
+// thread its equal share of the tiles, block by block of rows, so a tile's panels are read once
+// per block; next_t is then the share's next tile (-1 at its last).
+template <class RunTile>
+void for_tiles(int64_t tiles, int64_t m, int64_t block_rows, const RunTile& run_tile) {
+  if (m <= block_rows) {
+    balanced_for(tiles, [&](int64_t t, int64_t next_t) { run_tile(t, int64_t{0}, m, next_t); });
+    return;
+  }
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r0 = 0; r0 < m; r0 += block_rows)
+      for (int64_t t = begin; t < end; ++t) run_tile(t, r0, std::min(m, r0 + block_rows), t + 1 < end ? t + 1 : -1);
+  });
+}
+
 }  // namespace pagedserve_balanced

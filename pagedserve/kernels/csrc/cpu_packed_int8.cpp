@@ -783,14 +783,7 @@ void run_tiles(const Rows& rows, int64_t m, int64_t out, int tm, int tp, const T
       }
     }
   };
-  if (m <= block_rows) {  // one block of rows: its tiles balanced across the threads (cpu_balanced_for.h)
-    pagedserve_balanced::balanced_for(tiles, [&](int64_t t, int64_t next_t) { run_tile(t, 0, m, next_t); });
-    return;
-  }
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r0 = 0; r0 < m; r0 += block_rows)
-      for (int64_t t = begin; t < end; ++t) run_tile(t, r0, std::min(m, r0 + block_rows), t + 1 < end ? t + 1 : -1);
-  });
+  pagedserve_balanced::for_tiles(tiles, m, block_rows, run_tile);
 }
 
 }  // namespace
