@@ -56,7 +56,7 @@ def test_the_switch_reports_its_previous_value():
     assert kernels.set_balanced_threads(True) is False
 
 
-@pytest.mark.parametrize("rows", [1, 5, 16, 64])
+@pytest.mark.parametrize("rows", [1, 5, 16, 64, 1500])  # 1500: several blocks of rows (prefill)
 def test_packed_products_give_the_same_bits_balanced(rows):
     kernels = cpu_kernels()
     torch.manual_seed(rows)
@@ -73,13 +73,14 @@ def test_packed_products_give_the_same_bits_balanced(rows):
 
 
 def test_decode_attention_by_sequence_gives_the_same_bits_balanced():
-    """24 sequences (one task each from 8 a thread) of contexts from 1 to 700 tokens: the
-    threads' shares hold unequal work, and the long ones run in several partitions."""
+    """24 sequences (a task a sequence from 4 a thread; here 12) of contexts from 0 to 700
+    tokens: the threads' shares hold unequal work, the long ones run in several partitions,
+    and an empty one gives zeros."""
     kernels = cpu_kernels()
     torch.manual_seed(5)
     seqs, heads, kv_heads, dim, block = 24, 9, 3, 64, 16
     lens = torch.randint(1, 700, (seqs,), dtype=torch.int32)
-    lens[0], lens[-1] = 700, 1
+    lens[0], lens[1], lens[-1] = 700, 0, 1
     per = int((lens.max() + block - 1) // block)
     k_cache = torch.randn(seqs * per, block, kv_heads, dim)
     v_cache = torch.randn_like(k_cache)

@@ -747,7 +747,8 @@ Rows quantize(const float* x, int64_t m, int64_t in, int64_t kp) {
 // row block (one block of rows, a decode batch: its tiles are balanced across the threads,
 // cpu_balanced_for.h). tile(mr, r, p0, np, next_np, c, ldc) computes mr rows from r against np panels
 // from p0; the thread's next tile, which the tile may prefetch, is the next_np panels from p0 + np
-// (0: none, at its last tile, or past the first rows of the row block, which asked already);
+// (0: none, at its last tile, for a tile taken from another thread's share, or past the first
+// rows of the row block, which asked already);
 // finish(j, o, acc) is output o's value from its accumulator; prepare(p0, np) runs in the
 // thread before it computes a tile's rows of a row block.
 template <class Tile, class Finish, class Prepare>

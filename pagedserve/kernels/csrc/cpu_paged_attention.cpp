@@ -389,7 +389,8 @@ constexpr int64_t kSequenceTasksPerThread = 4;
 // benchmarks/attention_cost.py (batch 64, context 160, 30 layers, 472 MB), 2 threads, AMD EPYC
 // Zen 4, alternated in one process, median of 12: 29.4 ms (16.0 GB/s, 0.52 of the read
 // bandwidth) against 37.7 ms per (sequence, KV head) (12.5 GB/s); the next block into L1
-// instead: 33.0 ms; no prefetch: 40.5 ms; 2 to 4 blocks ahead: as 1.
+// instead: 33.0 ms; no prefetch: 40.5 ms; 2 to 4 blocks ahead: as 1 (measured with the static
+// split and a cursor over the thread's range, before the balanced split).
 void decode_by_sequence(VectorBlockFn vector_block, const float* q, const float* k_cache, const float* v_cache,
                         const int32_t* block_tables, const int32_t* seq_lens, float* out, int64_t num_seqs,
                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
@@ -397,10 +398,11 @@ void decode_by_sequence(VectorBlockFn vector_block, const float* q, const float*
   const int64_t group = num_heads / num_kv_heads, token_stride = num_kv_heads * head_dim;
   const int64_t block_stride = block_size * token_stride, padded = (block_size + 15) / 16 * 16;
   const int64_t per_part = partition_tokens(block_size);
-  // block j of sequence s (every KV head) into L2, if the sequence has it
-  auto prefetch = [&](int64_t s, int64_t j) {
+  // block j of sequence s (every KV head) into L2, if the sequence has it; returns its K's
+  // address (null: none)
+  auto prefetch = [&](int64_t s, int64_t j) -> const float* {
     const int64_t len = seq_lens[s], first = j * block_size;
-    if (first >= len) return;
+    if (first >= len) return nullptr;
     const int64_t at = block_tables[s * max_blocks + j] * block_stride;
     const int64_t bytes = std::min(block_size, len - first) * token_stride * static_cast<int64_t>(sizeof(float));
     const char* kp = reinterpret_cast<const char*>(k_cache + at);
@@ -409,20 +411,21 @@ void decode_by_sequence(VectorBlockFn vector_block, const float* q, const float*
       _mm_prefetch(kp + b, _MM_HINT_T1);
       _mm_prefetch(vp + b, _MM_HINT_T1);
     }
+    return k_cache + at;
   };
   // a sequence a task, balanced across the threads (cpu_balanced_for.h); each task asks for
   // its next block while it works on one, and at its last block for the first block of the
   // sequence the thread will likely take next
   pagedserve_balanced::balanced_for(num_seqs, [&](int64_t s, int64_t next_s) {
     thread_local std::vector<float> qf, acc, probs, mx, sum, part_m, part_l, part_acc;
-    thread_local int64_t asked_seq = -1;  // the sequence whose first block this thread asked for last
+    thread_local const float* asked = nullptr;  // the first block this thread asked for last (its K)
     qf.resize(num_heads * head_dim);
     acc.resize(num_heads * head_dim);
     probs.resize(group * padded);
     mx.resize(num_heads);
     sum.resize(num_heads);
     const int64_t len = seq_lens[s], parts = num_partitions(len, block_size);
-    if (asked_seq != s) prefetch(s, 0);
+    if (len > 0 && asked != k_cache + block_tables[s * max_blocks] * block_stride) prefetch(s, 0);
     // the finished partitions of a long context: maxima and sums [part][num_heads], outputs
     // [part][num_heads][head_dim] (merge_partitions)
     if (parts > 1) {
@@ -439,8 +442,7 @@ void decode_by_sequence(VectorBlockFn vector_block, const float* q, const float*
         if (start + block_size < len) {
           prefetch(s, start / block_size + 1);
         } else if (next_s >= 0) {
-          prefetch(next_s, 0);
-          asked_seq = next_s;
+          asked = prefetch(next_s, 0);
         }
         const int64_t at = block_tables[s * max_blocks + start / block_size] * block_stride;
         for (int64_t h = 0; h < num_kv_heads; ++h)
