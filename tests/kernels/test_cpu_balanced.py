@@ -87,3 +87,5 @@ def test_decode_attention_by_sequence_gives_the_same_bits_balanced():
     tables = torch.randperm(seqs * per, dtype=torch.int32).view(seqs, per)
     q = torch.randn(seqs, heads, dim)
     _same_bits_every_way(lambda: kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125), rounds=10)
+    with _threads(2):
+        assert not kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125)[1].any()

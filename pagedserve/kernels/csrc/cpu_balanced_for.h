@@ -58,7 +58,11 @@ void balanced_for(int64_t n, const Work& work) {
     for (int64_t i = 0; i < n; ++i) work(i, i + 1 < n ? i + 1 : int64_t{-1});
     return;
   }
-  std::unique_ptr<Share[]> share(new Share[shares]);
+  // the shares on the stack for the usual thread counts: no allocation a call on the decode path
+  constexpr int64_t kLocalShares = 16;
+  Share local[kLocalShares];
+  std::unique_ptr<Share[]> heap(shares > kLocalShares ? new Share[shares] : nullptr);
+  Share* share = heap ? heap.get() : local;
   const int64_t per = (n + shares - 1) / shares;
   auto share_end = [&](int64_t s) { return std::min(n, (s + 1) * per); };
   for (int64_t s = 0; s < shares; ++s)
